@@ -1,0 +1,92 @@
+"""The one small surface every backend presents to the training loop.
+
+`Backend` wraps a `tf.distribute.Strategy` and adds what the loop needs and
+tf.distribute spells differently per strategy: topology (replicas, workers,
+chief), how to feed data, run a replica step, sum results across replicas,
+finish gradients, and execute a compiled function. Backends that are not
+tf.distribute strategies (Horovod) subclass it and override the few methods
+that differ, so the loop in `tfdist.train` never branches on the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.cluster import LOCAL, ClusterInfo
+
+
+@dataclasses.dataclass
+class Backend:
+    """A tf.distribute strategy as the training loop sees it."""
+
+    name: str
+    strategy: tf.distribute.Strategy
+    device_kind: str = "cpu"  # "cpu", "gpu" or "tpu".
+    cluster: ClusterInfo = LOCAL
+    description: str = ""
+    gpu_compute_capability: tuple[int, int] | None = None
+
+    # Topology ---------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return int(self.strategy.num_replicas_in_sync)
+
+    @property
+    def num_workers(self) -> int:
+        return max(1, self.cluster.num_workers)
+
+    @property
+    def worker_index(self) -> int:
+        return self.cluster.worker_index
+
+    @property
+    def is_chief(self) -> bool:
+        return self.cluster.is_chief
+
+    @property
+    def task_label(self) -> str:
+        return self.cluster.label
+
+    # Execution ----------------------------------------------------------------
+    def scope(self) -> contextlib.AbstractContextManager:
+        return self.strategy.scope()
+
+    def distribute_dataset(self, dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]) -> Iterable:
+        return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+    def run(self, fn: Callable, args: Sequence[Any]) -> Any:
+        return self.strategy.run(fn, args=tuple(args))
+
+    def reduce_sum(self, per_replica: Any) -> tf.Tensor:
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    def finish_gradients(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Gradients as the optimizer should see them inside a replica.
+
+        Keras 3's optimizer sums gradients across replicas itself under
+        tf.distribute, so nothing is needed here.
+        """
+        return grads
+
+    def compile(self, fn: Callable) -> Callable:
+        return tf.function(fn)
+
+    def execute(self, compiled: Callable, *args: Any) -> np.ndarray:
+        """Runs a compiled function and returns its result on the host."""
+        return np.asarray(compiled(*args))
+
+    def broadcast_initial_state(self, variables: Sequence[Any]) -> None:
+        """Makes every replica start from the same values (tf.distribute already does)."""
+
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        """The values of one (Keras) variable on each local replica."""
+        value = getattr(variable, "value", variable)
+        return [np.asarray(v) for v in self.strategy.experimental_local_results(value)]
+
+    def shutdown(self) -> None:
+        """Releases cluster resources at the end of a run."""

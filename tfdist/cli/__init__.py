@@ -1,0 +1,1 @@
+"""Command-line entry points (one module per command): thin wrappers over the library."""

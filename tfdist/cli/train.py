@@ -1,0 +1,102 @@
+"""tfdist-train: parse flags, build one frozen TrainConfig, call the library.
+
+Kept short on purpose: all logic lives in `tfdist.train` and the modules it
+uses, which never read FLAGS.
+
+  tfdist-train --strategy=mirrored --num_cpu_replicas=2 --workdir=runs/m2
+  tfdist-train --flagfile=configs/mirrored.flags --epochs=3
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tfdist.cli import common
+
+common.quiet_tensorflow()
+
+from absl import app, flags, logging  # noqa: E402
+
+from tfdist import strategies  # noqa: E402
+from tfdist.config import LR_SCALINGS, PRECISIONS, TrainConfig  # noqa: E402
+from tfdist.errors import UserError  # noqa: E402
+
+FLAGS = flags.FLAGS
+_D = TrainConfig()
+
+# Backend.
+flags.DEFINE_string("strategy", _D.strategy, f"One of: {', '.join(strategies.strategy_names())}.")
+flags.DEFINE_integer("num_gpus", None, "GPUs for --strategy=mirrored (default: all).")
+flags.DEFINE_integer("num_cpu_replicas", None, "Split the CPU into N logical devices for --strategy=mirrored.")
+flags.DEFINE_string("all_reduce", _D.all_reduce, "Cross-device all-reduce: mirrored: auto|nccl|hierarchical_copy|"
+                    "reduce_to_one; multi_worker_mirrored: auto|ring|nccl.")
+flags.DEFINE_float("collective_timeout_s", _D.collective_timeout_s,
+                   "Seconds before a multi-worker collective gives up on a lost peer (0: no timeout).")
+flags.DEFINE_string("tpu", None, "TPU for --strategy=tpu: 'local', a TPU name or grpc://host:port.")
+flags.DEFINE_string("tpu_zone", None, "GCE zone of the TPU (--strategy=tpu).")
+flags.DEFINE_string("gcp_project", None, "GCP project of the TPU (--strategy=tpu).")
+flags.DEFINE_string("hvd_compression", None, "Horovod gradient compression: none|fp16.")
+flags.DEFINE_string("hvd_op", None, "Horovod reduction: average|adasum.")
+# Data.
+flags.DEFINE_string("dataset", _D.dataset, "mnist (bundled) | synthetic | idx:DIR | tfds:NAME.")
+flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (tfds:NAME).")
+flags.DEFINE_boolean("download", _D.download, "Let tensorflow-datasets download (tfds:NAME).")
+# Optimisation.
+flags.DEFINE_integer("epochs", _D.epochs, "Training epochs.")
+flags.DEFINE_integer("global_batch_size", None, "Examples per optimizer step over all replicas (default 128).")
+flags.DEFINE_integer("per_replica_batch_size", None, "Examples per replica per forward pass (instead of "
+                     "--global_batch_size).")
+flags.DEFINE_float("learning_rate", _D.learning_rate, "Adam learning rate before replica scaling.")
+flags.DEFINE_enum("lr_scaling", _D.lr_scaling, LR_SCALINGS, "Scale the learning rate with the replica count.")
+flags.DEFINE_float("warmup_epochs", _D.warmup_epochs, "Linear learning-rate warm-up, in epochs.")
+flags.DEFINE_integer("grad_accum_steps", _D.grad_accum_steps, "Micro-batches accumulated per optimizer step.")
+flags.DEFINE_integer("steps_per_execution", None, "Steps per compiled execution (default 10; 100 on TPU).")
+flags.DEFINE_string("precision", _D.precision, f"One of: {', '.join(PRECISIONS)}.")
+flags.DEFINE_integer("seed", _D.seed, "Seed for weights and data order.")
+# Run directory.
+flags.DEFINE_string("workdir", None, "Run directory (default: a new one under ./runs/).")
+flags.DEFINE_boolean("resume", None, "Resume from the workdir's checkpoint (default: when one exists).")
+flags.DEFINE_integer("checkpoint_every_steps", _D.checkpoint_every_steps,
+                     "Also checkpoint every N steps (0: at epoch ends only).")
+flags.DEFINE_integer("keep_checkpoints", _D.keep_checkpoints, "Checkpoints to keep.")
+flags.DEFINE_integer("max_steps", None, "Stop after this many steps in total.")
+
+
+def config_from_flags() -> TrainConfig:
+    fields = TrainConfig.__dataclass_fields__
+    return TrainConfig(**{name: FLAGS[name].value for name in fields})
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise UserError(f"Unexpected arguments {argv[1:]}; tfdist-train takes only --flags.")
+    logging.set_verbosity(logging.INFO)
+    from tfdist import train  # Imported late: pulls in TensorFlow.
+
+    config = config_from_flags().validate()
+    try:
+        metrics = train.train_and_evaluate(config)
+    except train.Preempted as e:
+        logging.warning("%s", e)
+        return 143
+    print(
+        f"[{metrics['task']}] done: steps={metrics['steps']} eval_accuracy={metrics['eval_accuracy']:.4f} "
+        f"workdir={metrics['workdir']} weights_fingerprint={metrics['weights_fingerprint']}",
+        flush=True,
+    )
+    return 0
+
+
+def _main(argv: list[str]) -> int | None:
+    return common.run_reporting_user_errors("tfdist-train", lambda: main(argv))
+
+
+def run() -> None:
+    try:
+        app.run(_main)
+    except flags.Error as e:  # Bad flag syntax before main().
+        common.fail("tfdist-train", str(e))
+
+
+if __name__ == "__main__":
+    run()

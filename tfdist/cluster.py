@@ -1,0 +1,149 @@
+"""Read-only cluster resolution: who is in the job and which task this is.
+
+`resolve()` reads TF_CONFIG (or, when absent, a SLURM step's environment) and
+returns one typed, validated `ClusterInfo`. It never writes the environment;
+building strategies from it is `tfdist.strategies`' job. TensorFlow's own
+resolver accepts much nonsense silently, so everything is checked here and
+every error names the offending field and value and shows a valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Mapping, Optional
+
+from tfdist.errors import UserError
+
+ROLES = ("chief", "worker", "ps", "evaluator")
+_EXAMPLE = (
+    'A valid TF_CONFIG looks like {"cluster": {"worker": ["host1:2222", '
+    '"host2:2222"]}, "task": {"type": "worker", "index": 0}}.'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """The cluster and this process's task in it."""
+
+    source: str  # "TF_CONFIG", "SLURM" or "local".
+    cluster: Mapping[str, tuple[str, ...]]
+    task_type: Optional[str]
+    task_index: int
+
+    @property
+    def num_workers(self) -> int:
+        """Tasks that train: chief plus workers."""
+        return len(self.cluster.get("chief", ())) + len(self.cluster.get("worker", ()))
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.cluster.get("ps", ()))
+
+    @property
+    def is_multi_worker(self) -> bool:
+        return self.num_workers > 1 or self.num_ps > 0
+
+    @property
+    def is_chief(self) -> bool:
+        if self.task_type is None:
+            return True
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_index == 0
+
+    @property
+    def worker_index(self) -> int:
+        """Index among the training tasks, the chief first."""
+        if self.task_type == "worker" and "chief" in self.cluster:
+            return self.task_index + 1
+        return self.task_index if self.task_type in ("chief", "worker") else 0
+
+    @property
+    def label(self) -> str:
+        return "local" if self.task_type is None else f"{self.task_type}:{self.task_index}"
+
+
+LOCAL = ClusterInfo("local", {}, None, 0)
+
+
+def resolve(environ: Optional[Mapping[str, str]] = None) -> ClusterInfo:
+    """Reads the cluster from `environ` (default: os.environ). Read-only."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("TF_CONFIG", "").strip()
+    if raw:
+        return parse_tf_config(raw)
+    return LOCAL
+
+
+def _fail(message: str) -> UserError:
+    return UserError(f"TF_CONFIG is invalid: {message} {_EXAMPLE}")
+
+
+def parse_tf_config(raw: str) -> ClusterInfo:
+    """Parses and validates a TF_CONFIG string."""
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        shown = raw if len(raw) <= 60 else raw[:57] + "..."
+        raise _fail(f"it is not JSON ({e.msg} at position {e.pos} of {shown!r}).") from None
+    if not isinstance(config, dict):
+        raise _fail(f"it must be a JSON object, not {type(config).__name__}.")
+    if "cluster" not in config:
+        raise _fail('it has no "cluster" field.')
+    if "task" not in config:
+        raise _fail('it has no "task" field (which task of the cluster is this process?).')
+    cluster_raw, task = config["cluster"], config["task"]
+    if not isinstance(cluster_raw, dict) or not cluster_raw:
+        raise _fail(f'"cluster" must be a non-empty object of role -> address list, not {cluster_raw!r}.')
+    cluster: dict[str, tuple[str, ...]] = {}
+    seen: dict[str, str] = {}
+    for role, addresses in cluster_raw.items():
+        if role not in ROLES:
+            raise _fail(f'cluster role "{role}" is unknown; roles are {", ".join(ROLES)}.')
+        if not isinstance(addresses, list) or not addresses:
+            raise _fail(f'cluster.{role} must be a non-empty list of "host:port" strings, not {addresses!r}.')
+        for i, address in enumerate(addresses):
+            where = f"cluster.{role}[{i}]"
+            _check_address(where, address)
+            if address in seen:
+                raise _fail(f'{where} = "{address}" duplicates {seen[address]}; every task needs its own address.')
+            seen[address] = where
+        cluster[role] = tuple(addresses)
+    if len(cluster.get("chief", ())) > 1:
+        raise _fail(f"cluster.chief lists {len(cluster['chief'])} addresses; a cluster has at most one chief.")
+    if not isinstance(task, dict):
+        raise _fail(f'"task" must be an object like {{"type": "worker", "index": 0}}, not {task!r}.')
+    task_type = task.get("type")
+    if task_type not in ROLES:
+        raise _fail(f'task.type = {task_type!r} is not a role; use one of {", ".join(ROLES)}.')
+    index = task.get("index", 0)
+    if isinstance(index, str) and index.isdigit():
+        index = int(index)
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise _fail(f"task.index = {index!r} must be an integer.")
+    if task_type != "evaluator" or task_type in cluster:
+        if task_type not in cluster:
+            raise _fail(
+                f'task.type = "{task_type}" is not in the cluster, which has '
+                f'{", ".join(sorted(cluster))}.'
+            )
+        size = len(cluster[task_type])
+        if not 0 <= index < size:
+            raise _fail(f"task.index = {index} is out of range: cluster.{task_type} has {size} task(s), so use 0 to {size - 1}.")
+    elif index != 0:
+        raise _fail(f"task.index = {index} for the evaluator must be 0.")
+    if "worker" not in cluster and "chief" not in cluster:
+        raise _fail("the cluster has no chief and no worker, so no task would train.")
+    return ClusterInfo("TF_CONFIG", cluster, task_type, index)
+
+
+def _check_address(where: str, address: object) -> None:
+    if not isinstance(address, str) or not address:
+        raise _fail(f'{where} = {address!r} must be a "host:port" string.')
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise _fail(f'{where} = "{address}" has no port; write it as "host:port", e.g. "{address}:2222".')
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise _fail(f'{where} = "{address}" has port "{port}", which is not a number from 1 to 65535.')

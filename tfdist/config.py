@@ -1,0 +1,145 @@
+"""The frozen run configuration and its validation.
+
+`TrainConfig` is the one object that flows from an entry point into the library.
+It is immutable; `validate()` checks everything that can be checked without
+touching TensorFlow or the filesystem (flag-rule: validators never do I/O) and
+raises `UserError` with a message that names the bad value and a valid one.
+Checks that need the resolved backend (replica counts, devices) live in
+`tfdist.batching` and `tfdist.precision`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+from tfdist.errors import UserError
+
+PRECISIONS = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
+LR_SCALINGS = ("none", "linear", "sqrt")
+DEFAULT_GLOBAL_BATCH_SIZE = 128
+
+# Fields that must match between a run and the run it resumes: changing them
+# changes what a step means, so resuming across them would silently train a
+# different job.
+RESUME_KEYS = (
+    "dataset",
+    "global_batch_size",
+    "per_replica_batch_size",
+    "grad_accum_steps",
+    "seed",
+    "epochs",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs. Defaults train MNIST offline."""
+
+    # Backend.
+    strategy: str = "auto"
+    num_gpus: Optional[int] = None
+    num_cpu_replicas: Optional[int] = None
+    all_reduce: str = "auto"
+    collective_timeout_s: float = 0.0
+    tpu: Optional[str] = None
+    tpu_zone: Optional[str] = None
+    gcp_project: Optional[str] = None
+    hvd_compression: Optional[str] = None
+    hvd_op: Optional[str] = None
+    # Data.
+    dataset: str = "mnist"
+    data_dir: Optional[str] = None
+    download: bool = False
+    # Optimisation.
+    epochs: int = 5
+    global_batch_size: Optional[int] = None
+    per_replica_batch_size: Optional[int] = None
+    learning_rate: float = 1e-3
+    lr_scaling: str = "none"
+    warmup_epochs: float = 0.0
+    grad_accum_steps: int = 1
+    steps_per_execution: Optional[int] = None
+    precision: str = "auto"
+    seed: int = 0
+    # Run directory.
+    workdir: Optional[str] = None
+    resume: Optional[bool] = None
+    checkpoint_every_steps: int = 0
+    keep_checkpoints: int = 3
+    max_steps: Optional[int] = None
+
+    def validate(self) -> "TrainConfig":
+        """Raises `UserError` for values no backend could accept."""
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        if self.global_batch_size is not None and self.per_replica_batch_size is not None:
+            raise UserError(
+                f"--global_batch_size={self.global_batch_size} and "
+                f"--per_replica_batch_size={self.per_replica_batch_size} were both set; "
+                "they are two ways to say the same thing. Set only one of them."
+            )
+        _positive("global_batch_size", self.global_batch_size)
+        _positive("per_replica_batch_size", self.per_replica_batch_size)
+        _positive("epochs", self.epochs)
+        _positive("grad_accum_steps", self.grad_accum_steps)
+        _positive("steps_per_execution", self.steps_per_execution)
+        _positive("max_steps", self.max_steps)
+        _positive("keep_checkpoints", self.keep_checkpoints)
+        if self.num_cpu_replicas is not None and self.num_cpu_replicas < 1:
+            raise UserError(
+                f"--num_cpu_replicas={self.num_cpu_replicas} is below 1; give the number "
+                "of logical CPU devices to split the CPU into, e.g. --num_cpu_replicas=2."
+            )
+        if self.num_gpus is not None and self.num_gpus < 0:
+            raise UserError(f"--num_gpus={self.num_gpus} is negative; use 0 or more.")
+        if self.learning_rate <= 0:
+            raise UserError(
+                f"--learning_rate={self.learning_rate} must be positive, e.g. 0.001."
+            )
+        if self.warmup_epochs < 0:
+            raise UserError(f"--warmup_epochs={self.warmup_epochs} must be 0 or more.")
+        if self.checkpoint_every_steps < 0:
+            raise UserError(
+                f"--checkpoint_every_steps={self.checkpoint_every_steps} must be 0 "
+                "(checkpoint at each epoch end only) or a positive step count."
+            )
+        if self.collective_timeout_s < 0:
+            raise UserError(
+                f"--collective_timeout_s={self.collective_timeout_s} must be 0 (no "
+                "timeout) or a positive number of seconds."
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise UserError(
+                f"Unknown configuration field(s) {unknown}; valid fields are "
+                f"{sorted(known)}."
+            )
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise UserError(
+            f"--{name}={value!r} is not a valid choice; use one of: {', '.join(valid)}."
+        )
+
+
+def _positive(name: str, value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"--{name}={value} must be a positive integer (1 or more).")

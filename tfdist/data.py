@@ -1,0 +1,230 @@
+"""Data sources and the tf.data input pipelines every backend shares.
+
+A source (`load_dataset`) returns the digits as in-memory arrays; the pipeline
+functions turn them into per-replica batches for one input pipeline, sharded by
+a `tf.distribute.InputContext` so no two pipelines ever see the same example.
+
+Sources, chosen by name:
+  * ``mnist``: the real MNIST digits bundled in the package (the 10,000-digit
+    MNIST test split; every fifth digit, indices 4, 9, 14, ..., is held out
+    for evaluation, the other 8,000 train).
+  * ``tfds:NAME``: a tensorflow-datasets dataset with 28x28x1 images
+    (``train`` and ``test`` splits).
+  * ``idx:DIR``: a directory of standard MNIST IDX files.
+  * ``synthetic``: random MNIST-shaped tensors, for throughput measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist import idx
+from tfdist.errors import UserError
+
+BUNDLED_DIR = os.path.join(os.path.dirname(__file__), "data", "mnist")
+IMAGE_SHAPE = (28, 28, 1)
+NUM_CLASSES = 10
+EVAL_EVERY = 5  # In the bundled split, digit i is held out when i % 5 == 4.
+SYNTHETIC_TRAIN, SYNTHETIC_EVAL = 8192, 1024
+
+DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+
+@dataclasses.dataclass(frozen=True)
+class Digits:
+    """A train/eval split held in memory: images uint8 [N,28,28,1], labels int32 [N]."""
+
+    name: str
+    train_images: np.ndarray
+    train_labels: np.ndarray
+    eval_images: np.ndarray
+    eval_labels: np.ndarray
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_labels)
+
+    @property
+    def num_eval(self) -> int:
+        return len(self.eval_labels)
+
+
+def load_dataset(spec: str, *, data_dir: str | None = None, download: bool = False) -> Digits:
+    """Loads the dataset named by `spec` (see the module docstring)."""
+    if spec == "mnist":
+        return _bundled()
+    if spec == "synthetic":
+        return _synthetic()
+    if spec.startswith("idx:") and spec[4:]:
+        return _idx_dir(spec[4:])
+    if spec.startswith("tfds:") and spec[5:]:
+        return _tfds(spec[5:], data_dir=data_dir, download=download)
+    raise UserError(
+        f"--dataset={spec!r} is not a known data source; use one of: mnist (bundled "
+        "digits), synthetic, idx:DIR (a directory of MNIST IDX files), tfds:NAME "
+        "(a tensorflow-datasets dataset, e.g. tfds:mnist)."
+    )
+
+
+def _bundled() -> Digits:
+    images, labels = idx.read_images_and_labels(
+        os.path.join(BUNDLED_DIR, "t10k-images-idx3-ubyte.gz"),
+        os.path.join(BUNDLED_DIR, "t10k-labels-idx1-ubyte.gz"),
+    )
+    held_out = np.arange(len(labels)) % EVAL_EVERY == EVAL_EVERY - 1
+    return Digits("mnist", images[~held_out], labels[~held_out], images[held_out], labels[held_out])
+
+
+def _synthetic() -> Digits:
+    rng = np.random.default_rng(0)
+
+    def make(n: int) -> tuple[np.ndarray, np.ndarray]:
+        images = rng.integers(0, 256, size=(n, *IMAGE_SHAPE), dtype=np.uint8)
+        return images, rng.integers(0, NUM_CLASSES, size=n).astype(np.int32)
+
+    return Digits("synthetic", *make(SYNTHETIC_TRAIN), *make(SYNTHETIC_EVAL))
+
+
+def _find_idx_file(directory: str, stem: str) -> str:
+    for name in (stem, stem + ".gz"):
+        path = os.path.join(directory, name)
+        if tf.io.gfile.exists(path):
+            return path
+    raise UserError(
+        f"--dataset=idx:{directory}: the directory has no {stem} (or {stem}.gz). An IDX "
+        "directory needs train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+        "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, gzip-compressed or not."
+    )
+
+
+def _idx_dir(directory: str) -> Digits:
+    if not tf.io.gfile.isdir(directory):
+        raise UserError(f"--dataset=idx:{directory}: no such directory.")
+    paths = {
+        stem: _find_idx_file(directory, stem)
+        for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                     "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    }
+    train = idx.read_images_and_labels(paths["train-images-idx3-ubyte"], paths["train-labels-idx1-ubyte"])
+    test = idx.read_images_and_labels(paths["t10k-images-idx3-ubyte"], paths["t10k-labels-idx1-ubyte"])
+    return Digits(f"idx:{directory}", *train, *test)
+
+
+def _tfds(name: str, *, data_dir: str | None, download: bool) -> Digits:
+    import tensorflow_datasets as tfds  # Imported here: slow, and only this source needs it.
+
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except Exception as e:  # tfds raises several types for unknown names.
+        raise UserError(f"--dataset=tfds:{name}: tensorflow-datasets does not know it ({e}).") from None
+    if not download and not builder.is_prepared():
+        raise UserError(
+            f"--dataset=tfds:{name}: no prepared copy in {builder.data_dir} and "
+            "--download is off. Prepare it on a machine with internet access "
+            f"(tfds build {name} --data_dir=DIR) and pass --data_dir=DIR, or add "
+            "--download to fetch it now."
+        )
+    try:
+        if download:
+            builder.download_and_prepare()
+        train, test = tfds.as_numpy(
+            builder.as_dataset(split=["train", "test"], as_supervised=True, batch_size=-1)
+        )
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"--dataset=tfds:{name}: could not load it: {e}") from None
+    (train_images, train_labels), (test_images, test_labels) = train, test
+    if train_images.shape[1:] != IMAGE_SHAPE:
+        raise UserError(
+            f"--dataset=tfds:{name} has images of shape {train_images.shape[1:]}; "
+            f"tfdist's model takes {IMAGE_SHAPE} (MNIST-like datasets)."
+        )
+    return Digits(
+        f"tfds:{name}",
+        train_images.astype(np.uint8), train_labels.astype(np.int32),
+        test_images.astype(np.uint8), test_labels.astype(np.int32),
+    )
+
+
+def _options() -> tf.data.Options:
+    options = tf.data.Options()
+    # Sharding is done explicitly by input context below; tell tf.distribute not to
+    # shard again.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    options.deterministic = True
+    return options
+
+
+def train_dataset_fn(
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    per_replica_batch: int,
+    steps_per_epoch: int,
+    seed: int,
+    start_step: int = 0,
+) -> DatasetFn:
+    """Builds the training `dataset_fn` for `distribute_datasets_from_function`.
+
+    Each input pipeline takes its own shard (example i goes to pipeline
+    i % num_pipelines), shuffles it with a seeded, per-epoch reshuffle, and
+    yields exactly `steps_per_epoch` steps of per-replica batches per epoch, so
+    every worker runs the same number of steps. `start_step` skips the steps an
+    interrupted run already trained on, so a resumed run sees exactly the data
+    the uninterrupted run would have.
+    """
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        replicas_here = max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
+        per_epoch = steps_per_epoch * replicas_here * per_replica_batch
+        ds = tf.data.Dataset.from_tensor_slices((images, labels))
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).cache()
+        shard_size = len(range(ctx.input_pipeline_id, len(labels), ctx.num_input_pipelines))
+        if shard_size < per_epoch:
+            raise UserError(
+                f"Input pipeline {ctx.input_pipeline_id} holds {shard_size} examples, "
+                f"fewer than one epoch needs ({per_epoch}); lower the batch size."
+            )
+        ds = ds.shuffle(shard_size, seed=seed, reshuffle_each_iteration=True)
+        ds = ds.take(per_epoch).batch(per_replica_batch, drop_remainder=True).repeat()
+        ds = ds.skip(start_step * replicas_here)
+        return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+    return dataset_fn
+
+
+def eval_dataset_fn(
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    per_replica_batch: int,
+    steps: int,
+) -> DatasetFn:
+    """Builds the evaluation `dataset_fn`: every example exactly once, static shapes.
+
+    Elements are (image, label, weight). Each pipeline takes its shard, pads it
+    with weight-0 examples up to `steps` full batches per local replica, and
+    drops nothing, so every batch has the same shape (as TPUs need) and the sum
+    of weights over all pipelines equals the number of held-out examples.
+    """
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        replicas_here = max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
+        needed = steps * replicas_here * per_replica_batch
+        weights = np.ones(len(labels), np.float32)
+        ds = tf.data.Dataset.from_tensor_slices((images, labels, weights))
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).cache()
+        padding = tf.data.Dataset.from_tensors(
+            (np.zeros(IMAGE_SHAPE, np.uint8), np.int32(0), np.float32(0.0))
+        ).repeat()
+        ds = ds.concatenate(padding).take(needed)
+        ds = ds.batch(per_replica_batch, drop_remainder=True)
+        return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+    return dataset_fn

@@ -1,0 +1,249 @@
+"""The strategy registry: one place that maps a name to the builder of its backend.
+
+``build_backend(config)`` looks the name up in `REGISTRY`; an unknown name is
+a `UserError` listing the valid ones, never a silent fallback. ``auto`` picks
+from what the process can see: a multi-worker TF_CONFIG -> multi-worker
+mirrored; several GPUs -> mirrored; one GPU -> one_device; else default.
+Optional backends import their dependencies lazily, inside their builders.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+from absl import logging
+
+from tfdist import cluster as cluster_lib
+from tfdist.backend import Backend
+from tfdist.config import TrainConfig
+from tfdist.errors import UserError
+
+Builder = Callable[[TrainConfig], Backend]
+REGISTRY: dict[str, Builder] = {}
+
+MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
+MULTI_WORKER_ALL_REDUCE = ("auto", "ring", "nccl")
+
+
+def register(name: str) -> Callable[[Builder], Builder]:
+    def wrap(builder: Builder) -> Builder:
+        REGISTRY[name] = builder
+        return builder
+
+    return wrap
+
+
+def strategy_names() -> list[str]:
+    return list(REGISTRY)
+
+
+def build_backend(config: TrainConfig) -> Backend:
+    """Builds the backend `config.strategy` names. Call before any other TF work."""
+    builder = REGISTRY.get(config.strategy)
+    if builder is None:
+        raise UserError(
+            f"--strategy={config.strategy!r} is not a known strategy; valid strategies "
+            f"are: {', '.join(REGISTRY)}."
+        )
+    _check_options(config)
+    backend = builder(config)
+    logging.info("Strategy %s: %s", backend.name, backend.description or type(backend.strategy).__name__)
+    return backend
+
+
+def _check_options(config: TrainConfig) -> None:
+    valid = {
+        "mirrored": MIRRORED_ALL_REDUCE,
+        "multi_worker_mirrored": MULTI_WORKER_ALL_REDUCE,
+    }
+    strategy = config.strategy
+    if strategy != "auto" and config.all_reduce != "auto":
+        choices = valid.get(strategy)
+        if choices is None:
+            raise UserError(
+                f"--all_reduce={config.all_reduce} has no effect with --strategy={strategy}; "
+                "it applies to mirrored and multi_worker_mirrored. Remove it."
+            )
+        if config.all_reduce not in choices:
+            raise UserError(
+                f"--all_reduce={config.all_reduce!r} is not valid with --strategy={strategy}; "
+                f"use one of: {', '.join(choices)}."
+            )
+    if config.num_cpu_replicas is not None and strategy not in ("mirrored", "auto"):
+        raise UserError(
+            f"--num_cpu_replicas applies to --strategy=mirrored, not --strategy={strategy}."
+        )
+    if config.tpu is not None and strategy not in ("tpu", "auto"):
+        raise UserError(
+            f"--tpu={config.tpu} was given with --strategy={strategy}; --tpu only applies "
+            "to --strategy=tpu (or auto). Remove --tpu or use --strategy=tpu."
+        )
+    if (config.hvd_compression or config.hvd_op) and strategy not in ("horovod", "auto"):
+        raise UserError(
+            f"--hvd_compression/--hvd_op are Horovod options but --strategy={strategy}; "
+            "use them with --strategy=horovod or remove them."
+        )
+
+
+def _gpus() -> list:
+    return tf.config.list_physical_devices("GPU")
+
+
+def gpu_compute_capability() -> tuple[int, int] | None:
+    gpus = _gpus()
+    if not gpus:
+        return None
+    details = tf.config.experimental.get_device_details(gpus[0])
+    return details.get("compute_capability")
+
+
+def split_cpu(num_replicas: int) -> list[str]:
+    """Splits the CPU into `num_replicas` logical devices and returns their names."""
+    if _gpus():
+        raise UserError(
+            f"--num_cpu_replicas={num_replicas} splits the CPU into logical devices, but this "
+            f"machine has {len(_gpus())} GPU(s); use --num_gpus instead."
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_replicas)]
+        )
+    except RuntimeError:
+        pass  # Runtime already initialised (tests, notebooks): use what exists.
+    logical = tf.config.list_logical_devices("CPU")
+    if len(logical) < num_replicas:
+        raise UserError(
+            f"--num_cpu_replicas={num_replicas}: TensorFlow was already initialised with "
+            f"{len(logical)} logical CPU device(s) in this process and cannot be re-split. "
+            "Start a new process."
+        )
+    return [d.name for d in logical[:num_replicas]]
+
+
+def _check_no_cluster(config: TrainConfig) -> None:
+    info = cluster_lib.resolve()
+    if info.is_multi_worker:
+        raise UserError(
+            f"--strategy={config.strategy} trains in one process, but TF_CONFIG describes a "
+            f"cluster of {info.num_workers} worker(s) and {info.num_ps} ps task(s). Use "
+            "--strategy=multi_worker_mirrored or parameter_server, or unset TF_CONFIG."
+        )
+
+
+def _device_kind() -> str:
+    return "gpu" if _gpus() else "cpu"
+
+
+@register("auto")
+def _auto(config: TrainConfig) -> Backend:
+    info = cluster_lib.resolve()
+    if info.is_multi_worker:
+        name = "parameter_server" if info.num_ps else "multi_worker_mirrored"
+    elif config.num_cpu_replicas or len(_gpus()) > 1:
+        name = "mirrored"
+    elif _gpus():
+        name = "one_device"
+    else:
+        name = "default"
+    logging.info("--strategy=auto chose %s", name)
+    return REGISTRY[name](config.replace(strategy=name))
+
+
+@register("default")
+def _default(config: TrainConfig) -> Backend:
+    _check_no_cluster(config)
+    return Backend("default", tf.distribute.get_strategy(), _device_kind(),
+                   description="no distribution (TensorFlow's default strategy)",
+                   gpu_compute_capability=gpu_compute_capability())
+
+
+@register("one_device")
+def _one_device(config: TrainConfig) -> Backend:
+    _check_no_cluster(config)
+    device = "/gpu:0" if _gpus() else "/cpu:0"
+    return Backend("one_device", tf.distribute.OneDeviceStrategy(device), _device_kind(),
+                   description=f"OneDeviceStrategy on {device}",
+                   gpu_compute_capability=gpu_compute_capability())
+
+
+@register("mirrored")
+def _mirrored(config: TrainConfig) -> Backend:
+    _check_no_cluster(config)
+    gpus = _gpus()
+    if config.num_cpu_replicas is not None:
+        devices = split_cpu(config.num_cpu_replicas)
+    elif gpus:
+        wanted = len(gpus) if config.num_gpus is None else config.num_gpus
+        if wanted > len(gpus):
+            raise UserError(f"--num_gpus={wanted} but this machine has {len(gpus)} GPU(s).")
+        devices = [f"/gpu:{i}" for i in range(wanted)] or ["/cpu:0"]
+    elif config.num_gpus:
+        raise UserError(
+            f"--num_gpus={config.num_gpus} but this machine has no GPU; on CPUs use "
+            "--num_cpu_replicas=N to split the CPU into N replicas."
+        )
+    else:
+        devices = ["/cpu:0"]
+    on_gpu = any("gpu" in d.lower() for d in devices)
+    if config.all_reduce in ("nccl", "hierarchical_copy") and not on_gpu:
+        raise UserError(
+            f"--all_reduce={config.all_reduce} needs GPUs, and this run's replicas are on "
+            "the CPU; use --all_reduce=auto or reduce_to_one."
+        )
+    cross_device_ops = {
+        "auto": None,
+        "nccl": tf.distribute.NcclAllReduce,
+        "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
+        "reduce_to_one": tf.distribute.ReductionToOneDevice,
+    }[config.all_reduce]
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=cross_device_ops() if cross_device_ops else None
+    )
+    return Backend("mirrored", strategy, "gpu" if on_gpu else "cpu",
+                   description=f"MirroredStrategy over {', '.join(devices)} (all-reduce: {config.all_reduce})",
+                   gpu_compute_capability=gpu_compute_capability())
+
+
+@register("multi_worker_mirrored")
+def _multi_worker_mirrored(config: TrainConfig) -> Backend:
+    info = cluster_lib.resolve()
+    for role in ("ps", "evaluator"):
+        if role in info.cluster or info.task_type == role:
+            raise UserError(
+                f"TF_CONFIG has a {role} task, but --strategy=multi_worker_mirrored trains "
+                "with chief and worker tasks only; remove the ps/evaluator entries or use "
+                "--strategy=parameter_server."
+            )
+    implementation = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    }[config.all_reduce]
+    if config.all_reduce == "nccl" and not _gpus():
+        raise UserError("--all_reduce=nccl needs GPUs and this machine has none; use ring or auto.")
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation,
+        timeout_seconds=config.collective_timeout_s or None,
+    )
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    return Backend("multi_worker_mirrored", strategy, _device_kind(), cluster=info,
+                   description=f"MultiWorkerMirroredStrategy, {max(1, info.num_workers)} worker(s), "
+                               f"task {info.label}, all-reduce {config.all_reduce}",
+                   gpu_compute_capability=gpu_compute_capability())
+
+
+def _not_yet(name: str, issue: str) -> Builder:
+    def builder(config: TrainConfig) -> Backend:
+        raise UserError(
+            f"--strategy={name} is not available in this version of tfdist yet ({issue}). "
+            f"Working strategies: default, one_device, mirrored, multi_worker_mirrored."
+        )
+
+    return builder
+
+
+register("parameter_server")(_not_yet("parameter_server", "parameter-server training is being built"))
+register("tpu")(_not_yet("tpu", "TPUStrategy support is being built"))
+register("horovod")(_not_yet("horovod", "the Horovod backend is being built"))
