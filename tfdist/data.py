@@ -122,22 +122,18 @@ def _tfds(name: str, *, data_dir: str | None, download: bool) -> Digits:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # tfds raises several types for unknown names.
         raise UserError(f"--dataset=tfds:{name}: tensorflow-datasets does not know it ({e}).") from None
-    if not download and not builder.is_prepared():
-        raise UserError(
-            f"--dataset=tfds:{name}: no prepared copy in {builder.data_dir} and "
-            "--download is off. Prepare it on a machine with internet access "
-            f"(tfds build {name} --data_dir=DIR) and pass --data_dir=DIR, or add "
-            "--download to fetch it now."
-        )
     try:
         if download:
             builder.download_and_prepare()
-        train, test = tfds.as_numpy(
-            builder.as_dataset(split=["train", "test"], as_supervised=True, batch_size=-1)
-        )
-    except UserError:
-        raise
+        train, test = (_to_arrays(ds) for ds in builder.as_dataset(split=["train", "test"], as_supervised=True))
     except Exception as e:
+        if not download and not builder.is_prepared():
+            raise UserError(
+                f"--dataset=tfds:{name}: no prepared copy in {builder.data_dir} and "
+                "--download is off. Prepare it on a machine with internet access "
+                f"(tfds build {name} --data_dir=DIR) and pass --data_dir=DIR, or add "
+                "--download to fetch it now."
+            ) from None
         raise UserError(f"--dataset=tfds:{name}: could not load it: {e}") from None
     (train_images, train_labels), (test_images, test_labels) = train, test
     if train_images.shape[1:] != IMAGE_SHAPE:
@@ -150,6 +146,17 @@ def _tfds(name: str, *, data_dir: str | None, download: bool) -> Digits:
         train_images.astype(np.uint8), train_labels.astype(np.int32),
         test_images.astype(np.uint8), test_labels.astype(np.int32),
     )
+
+
+def _to_arrays(dataset: tf.data.Dataset) -> tuple[np.ndarray, np.ndarray]:
+    """Reads a whole (image, label) dataset into two arrays."""
+    images, labels = [], []
+    for image_batch, label_batch in dataset.batch(8192).as_numpy_iterator():
+        images.append(image_batch)
+        labels.append(label_batch)
+    if not images:
+        return np.zeros((0, *IMAGE_SHAPE), np.uint8), np.zeros((0,), np.int32)
+    return np.concatenate(images), np.concatenate(labels)
 
 
 def _options() -> tf.data.Options:

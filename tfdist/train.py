@@ -253,6 +253,7 @@ class _Run:
         epoch_seconds: dict[int, float] = {}
         steady_examples, steady_seconds, first = 0, 0.0, True
         epoch_totals = np.zeros(4)
+        losses: list[float] = []
         eval_metrics: dict[str, float] = {}
         every = config.checkpoint_every_steps
         with _StopRequest() as stop, writer.as_default():
@@ -269,13 +270,14 @@ class _Run:
                 seconds = time.perf_counter() - t0
                 self.step += num
                 epoch_seconds[epoch] = epoch_seconds.get(epoch, 0.0) + seconds
+                loss, accuracy = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
+                losses.append(float(loss))
                 if first:
                     first = False
                 else:
                     steady_examples += num * plan.global_batch
                     steady_seconds += seconds
                 epoch_totals += totals
-                loss, accuracy = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
                 if not math.isfinite(loss) and not self.precision.loss_scaling:
                     raise UserError(
                         f"The training loss became {loss} at step {self.step}; lower --learning_rate "
@@ -325,6 +327,9 @@ class _Run:
             "epochs": config.epochs,
             "resumed_from_step": resumed_from,
             **eval_metrics,
+            "first_train_loss": losses[0] if losses else None,
+            "last_train_loss": losses[-1] if losses else None,
+            "loss_scale": float(self.optimizer.dynamic_scale.numpy()) if self.precision.loss_scaling else None,
             "train_examples_per_sec": (steady_examples / steady_seconds) if steady_seconds else None,
             "epoch_train_seconds": [round(epoch_seconds[e], 4) for e in sorted(epoch_seconds)],
             "wall_seconds": round(time.time() - start, 3),

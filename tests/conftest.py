@@ -1,0 +1,65 @@
+"""Shared test set-up: four logical CPU devices, float32 policy, subprocess helpers.
+
+TensorFlow can split the CPU into logical devices only before it initialises,
+so it is done here, once, before any test imports tfdist's training code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+NUM_LOGICAL_CPUS = 4
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_MNIST = os.path.join(REPO, "..", "shared", "data", "mnist")
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy():
+    keras.mixed_precision.set_dtype_policy("float32")
+    yield
+    keras.mixed_precision.set_dtype_policy("float32")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(extra: Optional[dict] = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+def run_module(module: str, args: Sequence[str], *, env: Optional[dict] = None, timeout: float = 300,
+               cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Runs `python -m module args...` and returns the completed process (text output)."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+        env=subprocess_env(env), cwd=cwd or REPO,
+    )
+
+
+def run_train(args: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
+    return run_module("tfdist.cli.train", args, **kwargs)
+
+
+def load_weights(path: str) -> list[np.ndarray]:
+    return [np.asarray(w) for w in keras.models.load_model(path, compile=False).get_weights()]

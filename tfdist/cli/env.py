@@ -1,0 +1,119 @@
+"""tfdist-env: the facts a bug report needs, in one report.
+
+Prints versions (Python, TensorFlow, Keras, tensorflow-datasets, absl,
+Horovod), devices with GPU compute capability, whether Horovod is importable
+and built with TensorFlow and which controllers/ops it has, the parsed
+TF_CONFIG if any, and the precision ``--precision=auto`` would choose.
+Add ``--json`` for machine-readable output.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import sys
+from typing import Any
+
+from tfdist.cli import common
+
+common.quiet_tensorflow()
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_boolean("json", False, "Print the report as JSON.")
+FLAGS = flags.FLAGS
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def horovod_report() -> dict[str, Any]:
+    """Whether Horovod imports and what it was built with (never raises)."""
+    from tfdist import horovod_support
+
+    return horovod_support.report()
+
+
+def collect() -> dict[str, Any]:
+    import tensorflow as tf
+
+    from tfdist import cluster, precision, strategies
+    from tfdist.errors import UserError
+
+    gpus = tf.config.list_physical_devices("GPU")
+    devices = []
+    for device in tf.config.list_physical_devices():
+        entry = {"name": device.name, "type": device.device_type}
+        if device.device_type == "GPU":
+            details = tf.config.experimental.get_device_details(device)
+            entry["compute_capability"] = ".".join(map(str, details.get("compute_capability", ()))) or None
+            entry["device_name"] = details.get("device_name")
+        devices.append(entry)
+    try:
+        info = cluster.resolve()
+        tf_config: Any = None if info.task_type is None else {
+            "source": info.source, "cluster": {k: list(v) for k, v in info.cluster.items()},
+            "task": {"type": info.task_type, "index": info.task_index},
+            "num_workers": info.num_workers, "num_ps": info.num_ps, "is_chief": info.is_chief,
+        }
+    except UserError as e:
+        tf_config = {"error": str(e)}
+    kind = "gpu" if gpus else "cpu"
+    choice = precision.choose("auto", device_kind=kind, gpu_compute_capability=strategies.gpu_compute_capability())
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": {p: _version(p) for p in ("tfdist", "tensorflow", "keras", "tensorflow-datasets",
+                                               "absl-py", "tensorboard", "numpy", "horovod")},
+        "tensorflow_built_with_cuda": tf.test.is_built_with_cuda(),
+        "devices": devices,
+        "cpu_bf16_flags": precision.cpu_bf16_flags(),
+        "precision_auto": {"policy": choice.policy, "reason": choice.reason},
+        "horovod": horovod_report(),
+        "tf_config": tf_config,
+        "strategies": strategies.strategy_names(),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"tfdist environment report", f"python: {report['python']} ({report['platform']})"]
+    for package, version in report["packages"].items():
+        lines.append(f"{package}: {version}")
+    lines.append(f"tensorflow built with CUDA: {report['tensorflow_built_with_cuda']}")
+    lines.append("devices:")
+    for device in report["devices"]:
+        extra = f" compute capability {device['compute_capability']} ({device.get('device_name')})" \
+            if device["type"] == "GPU" else ""
+        lines.append(f"  {device['name']}{extra}")
+    lines.append(f"CPU bfloat16 flags: {', '.join(report['cpu_bf16_flags']) or 'none'}")
+    auto = report["precision_auto"]
+    lines.append(f"--precision=auto would choose: {auto['policy']} ({auto['reason']})")
+    hvd = report["horovod"]
+    lines.append(f"horovod: {hvd['status']}")
+    for key in ("tensorflow_built", "gloo_built", "mpi_built", "nccl_built", "error"):
+        if key in hvd:
+            lines.append(f"  {key}: {hvd[key]}")
+    tf_config = report["tf_config"]
+    lines.append(f"TF_CONFIG: {json.dumps(tf_config) if tf_config else 'not set'}")
+    lines.append(f"strategies: {', '.join(report['strategies'])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    del argv
+    report = collect()
+    print(json.dumps(report, indent=2) if FLAGS.json else format_report(report))
+    return 0
+
+
+def run() -> None:
+    app.run(lambda argv: common.run_reporting_user_errors("tfdist-env", lambda: main(argv)))
+
+
+if __name__ == "__main__":
+    run()
