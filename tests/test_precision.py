@@ -1,0 +1,41 @@
+"""tfdist.precision: what --precision=auto picks on each device, and the refusals."""
+
+import keras
+import pytest
+
+from tfdist import precision
+from tfdist.errors import UserError
+
+
+def test_tpu_gets_bfloat16():
+    assert precision.choose("auto", device_kind="tpu").policy == "mixed_bfloat16"
+
+
+def test_mixed_float16_on_tpu_is_refused():
+    with pytest.raises(UserError, match="--precision=mixed_float16 cannot run on TPUs"):
+        precision.choose("mixed_float16", device_kind="tpu")
+
+
+@pytest.mark.parametrize("cc, policy", [((7, 0), "mixed_float16"), ((9, 0), "mixed_float16"), ((6, 1), "float32")])
+def test_gpu_by_compute_capability(cc, policy):
+    assert precision.choose("auto", device_kind="gpu", gpu_compute_capability=cc).policy == policy
+
+
+def test_cpu_follows_bf16_instructions(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    assert precision.choose("auto", device_kind="cpu").policy == "mixed_bfloat16"
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: [])
+    assert precision.choose("auto", device_kind="cpu").policy == "float32"
+
+
+def test_explicit_choice_wins_and_loss_scaling_only_for_float16():
+    choice = precision.choose("mixed_float16", device_kind="gpu", gpu_compute_capability=(8, 0))
+    assert choice.policy == "mixed_float16" and choice.loss_scaling
+    assert not precision.choose("mixed_bfloat16", device_kind="cpu").loss_scaling
+
+
+def test_apply_sets_policy_and_warns_for_float16_on_cpu(caplog):
+    with caplog.at_level("WARNING"):
+        precision.apply(precision.PrecisionChoice("mixed_float16", "test"), device_kind="cpu")
+    assert keras.mixed_precision.dtype_policy().name == "mixed_float16"
+    assert "mixed_float16 on a CPU is very slow" in caplog.text

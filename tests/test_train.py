@@ -1,0 +1,153 @@
+"""tfdist.train: the real loop on real digits, in this process.
+
+Accuracy is measured on the 2,000 held-out bundled digits; equivalence tests
+compare final weights of runs that must agree (replica count, accumulation,
+steps per execution) in float32.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import load_weights
+from tfdist import data, strategies, train
+from tfdist.config import TrainConfig
+from tfdist.errors import UserError
+
+
+def run(tmp_path, name="run", **changes):
+    config = TrainConfig(workdir=str(tmp_path / name), **changes)
+    return train.train_and_evaluate(config)
+
+
+def test_defaults_reach_accuracy_and_fill_the_workdir(tmp_path):
+    metrics = run(tmp_path)
+    assert metrics["eval_accuracy"] >= 0.97
+    assert metrics["eval_examples"] == 2000
+    assert (metrics["num_replicas"], metrics["num_workers"], metrics["steps"]) == (1, 1, 5 * 62)
+    workdir = tmp_path / "run"
+    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "metrics.json",
+                                           "model.keras", "tensorboard"]
+    saved = json.loads((workdir / "metrics.json").read_text())
+    for key in ("strategy", "num_replicas", "num_workers", "precision", "global_batch_size", "steps", "epochs",
+                "eval_accuracy", "eval_loss", "train_examples_per_sec", "wall_seconds", "weights_fingerprint"):
+        assert key in saved, key
+    assert saved["weights_fingerprint"] == metrics["weights_fingerprint"]
+    assert TrainConfig.from_dict(json.loads((workdir / "config.json").read_text())).workdir == str(workdir)
+    assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith("ckpt-310")
+    # The exported model gives the reported accuracy on the held-out digits.
+    import keras
+
+    model = keras.models.load_model(str(workdir / "model.keras"), compile=False)
+    digits = data.load_dataset("mnist")
+    predictions = np.argmax(model.predict(digits.eval_images, verbose=0), -1)
+    assert np.mean(predictions == digits.eval_labels) == pytest.approx(metrics["eval_accuracy"], abs=2e-3)
+    # TensorBoard got the scalars.
+    tags = set()
+    for event_file in tf.io.gfile.glob(str(workdir / "tensorboard" / "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(event_file):
+            tags |= {v.tag for v in event.summary.value}
+    assert {"train/loss", "train/accuracy", "train/learning_rate", "train/examples_per_sec",
+            "eval/loss", "eval/accuracy"} <= tags
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16"])
+def test_precisions_reach_accuracy(tmp_path, precision):
+    metrics = run(tmp_path, precision=precision)
+    assert metrics["precision"] == precision and metrics["eval_accuracy"] >= 0.96
+
+
+def test_mixed_float16_learns_with_loss_scaling(tmp_path):
+    metrics = run(tmp_path, precision="mixed_float16", strategy="mirrored", num_cpu_replicas=2,
+                  max_steps=40, steps_per_execution=4)
+    assert metrics["precision"] == "mixed_float16"
+    assert metrics["loss_scale"] is not None and metrics["loss_scale"] > 1
+    assert metrics["last_train_loss"] <= metrics["first_train_loss"] / 2
+
+
+def test_mirrored_two_cpu_replicas_reach_accuracy(tmp_path):
+    metrics = run(tmp_path, strategy="mirrored", num_cpu_replicas=2)
+    assert metrics["num_replicas"] == 2 and metrics["eval_accuracy"] >= 0.97
+
+
+def _weights_after(tmp_path, name, **changes):
+    run(tmp_path, name, precision="float32", max_steps=6, **changes)
+    return load_weights(str(tmp_path / name / "model.keras"))
+
+
+def test_replicas_split_the_global_batch_without_changing_the_update(tmp_path):
+    one = _weights_after(tmp_path, "one", strategy="default")
+    two = _weights_after(tmp_path, "two", strategy="mirrored", num_cpu_replicas=2)
+    # In one process, collective all-reduce groups of different sizes collide
+    # (TensorFlow keys them per strategy instance); real runs have one strategy.
+    four = _weights_after(tmp_path, "four", strategy="mirrored", num_cpu_replicas=4, all_reduce="reduce_to_one")
+    for a, b, c in zip(one, two, four):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+        np.testing.assert_allclose(a, c, atol=2e-5)
+
+
+def test_gradient_accumulation_equals_the_full_batch(tmp_path):
+    full = _weights_after(tmp_path, "full")
+    accumulated = _weights_after(tmp_path, "accum", grad_accum_steps=4)
+    for a, b in zip(full, accumulated):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_steps_per_execution_does_not_change_training(tmp_path):
+    one = _weights_after(tmp_path, "spe1", steps_per_execution=1)
+    five = _weights_after(tmp_path, "spe5", steps_per_execution=5)
+    for a, b in zip(one, five):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_evaluation_counts_each_example_once_with_uneven_replicas(tmp_path):
+    full = data.load_dataset("mnist")
+    digits = data.Digits("subset", full.train_images[:960], full.train_labels[:960],
+                         full.eval_images[:1001], full.eval_labels[:1001])
+    config = TrainConfig(workdir=str(tmp_path / "w"), strategy="mirrored", num_cpu_replicas=3,
+                         all_reduce="reduce_to_one", global_batch_size=96, epochs=1)
+    metrics = train.train_and_evaluate(config, digits=digits)
+    assert metrics["num_replicas"] == 3 and metrics["eval_examples"] == 1001
+
+
+def test_resuming_a_finished_run_trains_no_more(tmp_path):
+    first = run(tmp_path, max_steps=20, checkpoint_every_steps=10)
+    again = run(tmp_path, max_steps=20, checkpoint_every_steps=10)
+    assert (again["resumed_from_step"], again["steps"]) == (20, 20)
+    assert again["weights_fingerprint"] == first["weights_fingerprint"]
+
+
+def test_resume_continues_to_the_same_total(tmp_path):
+    run(tmp_path, epochs=2, max_steps=30)  # Interrupted after 30 of 124 steps.
+    metrics = run(tmp_path, epochs=2)
+    assert (metrics["resumed_from_step"], metrics["steps"]) == (30, 124)
+
+
+def _snapshot(directory):
+    return {p: open(os.path.join(directory, p), "rb").read()
+            for p in sorted(os.listdir(directory)) if os.path.isfile(os.path.join(directory, p))}
+
+
+def test_noresume_never_overwrites(tmp_path):
+    run(tmp_path, max_steps=10)
+    workdir = tmp_path / "run"
+    before = (_snapshot(workdir), _snapshot(workdir / "checkpoints"))
+    with pytest.raises(UserError, match="already holds checkpoint ckpt-10 and --noresume was given"):
+        run(tmp_path, max_steps=10, resume=False)
+    with pytest.raises(UserError, match=r"--global_batch_size \(was None, now 64\) changed what a training step"):
+        run(tmp_path, max_steps=10, global_batch_size=64)
+    assert (_snapshot(workdir), _snapshot(workdir / "checkpoints")) == before
+
+
+def test_resume_flag_without_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="--resume was given but .* holds no checkpoint"):
+        run(tmp_path, resume=True)
+
+
+def test_injected_backend_is_used(tmp_path):
+    backend = strategies.build_backend(TrainConfig(strategy="mirrored", num_cpu_replicas=2))
+    metrics = train.train_and_evaluate(TrainConfig(workdir=str(tmp_path / "w"), max_steps=4), backend=backend)
+    assert metrics["strategy"] == "mirrored" and metrics["num_replicas"] == 2
