@@ -79,6 +79,11 @@ def _check_options(config: TrainConfig) -> None:
             f"--tpu={config.tpu} was given with --strategy={strategy}; --tpu only applies "
             "to --strategy=tpu (or auto). Remove --tpu or use --strategy=tpu."
         )
+    if strategy == "tpu" and config.precision == "mixed_float16":
+        raise UserError(
+            "--precision=mixed_float16 cannot run on TPUs (they have no float16 arithmetic); "
+            "use --precision=mixed_bfloat16 or --precision=auto."
+        )
     if (config.hvd_compression or config.hvd_op) and strategy not in ("horovod", "auto"):
         raise UserError(
             f"--hvd_compression/--hvd_op are Horovod options but --strategy={strategy}; "

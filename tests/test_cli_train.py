@@ -1,0 +1,155 @@
+"""tfdist.cli.train: the command as users run it, in real subprocesses.
+
+Bad input must exit non-zero with one short paragraph and no traceback;
+interrupted runs (SIGKILL, SIGTERM) must resume at the step they reached.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, SHARED_MNIST, run_train, subprocess_env
+from tests.idx_files import write_mnist_dir
+from tfdist import data
+
+
+def assert_user_error(result, *fragments):
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [l for l in result.stderr.splitlines() if l.startswith("tfdist-train: error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--strategy=nccl_magic"], ["--strategy='nccl_magic' is not a known strategy; valid strategies are: auto"]),
+        (["--global_batch_size=64", "--per_replica_batch_size=32"], ["were both set", "Set only one of them"]),
+        (["--strategy=mirrored", "--num_cpu_replicas=3", "--global_batch_size=128"],
+         ["does not divide evenly across 3 replica(s)", "use a multiple of 3"]),
+        (["--strategy=mirrored", "--num_cpu_replicas=4", "--global_batch_size=2"],
+         ["smaller than the number of replicas (4)"]),
+        (["--strategy=mirrored", "--num_cpu_replicas=0"], ["--num_cpu_replicas=0 is below 1"]),
+        (["--precision=float64"], ["--precision='float64' is not a valid choice"]),
+        (["--dataset=idx:/nonexistent/mnist"], ["--dataset=idx:/nonexistent/mnist: no such directory"]),
+        (["--dataset=imagenet"], ["--dataset='imagenet' is not a known data source"]),
+        (["--strategy=tpu", "--tpu=local", "--precision=mixed_float16"], ["mixed_float16"]),
+        (["--strategy=horovod"], ["horovod"]),
+        (["--strategy=parameter_server"], ["parameter_server"]),
+    ],
+)
+def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, fragments):
+    result = run_train([f"--workdir={tmp_path / 'w'}", *args], timeout=120)
+    assert_user_error(result, *fragments)
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_corrupt_idx_dataset_names_the_file(tmp_path):
+    directory = tmp_path / "idx"
+    digits = data.load_dataset("mnist")
+    write_mnist_dir(str(directory), digits.train_images[:200, ..., 0], digits.train_labels[:200],
+                    digits.eval_images[:50, ..., 0], digits.eval_labels[:50])
+    broken = directory / "train-images-idx3-ubyte"
+    broken.write_bytes(broken.read_bytes()[:5000])
+    result = run_train([f"--workdir={tmp_path / 'w'}", f"--dataset=idx:{directory}"], timeout=120)
+    assert_user_error(result, f"IDX file {broken} declares shape (200, 28, 28)", "truncated")
+
+
+def test_idx_directory_of_real_files_trains(tmp_path):
+    """The real, published t10k IDX files (one gzip, one plain) plus a train split."""
+    directory = tmp_path / "idx"
+    digits = data.load_dataset("mnist")
+    write_mnist_dir(str(directory), digits.train_images[..., 0], digits.train_labels,
+                    digits.eval_images[:1, ..., 0], digits.eval_labels[:1])
+    for name in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        os.remove(directory / name)
+    shutil.copy(os.path.join(SHARED_MNIST, "t10k-images-idx3-ubyte.gz"), directory)
+    import gzip
+
+    with gzip.open(os.path.join(SHARED_MNIST, "t10k-labels-idx1-ubyte.gz")) as f:
+        (directory / "t10k-labels-idx1-ubyte").write_bytes(f.read())
+    result = run_train([f"--workdir={tmp_path / 'w'}", f"--dataset=idx:{directory}", "--epochs=3"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "w" / "metrics.json").read_text())
+    assert metrics["dataset"] == f"idx:{directory}" and metrics["eval_examples"] == 10000
+    assert metrics["eval_accuracy"] >= 0.95  # 8,000 of the 10,000 eval digits were trained on.
+
+
+def test_flagfile_repeats_a_run_and_flags_override(tmp_path):
+    first = run_train([f"--workdir={tmp_path / 'a'}", "--max_steps=6", "--precision=float32"], timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    flagfile = tmp_path / "a" / "flags.txt"
+    assert "--max_steps=6" in flagfile.read_text()
+    second = run_train([f"--flagfile={flagfile}", f"--workdir={tmp_path / 'b'}"], timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    metrics = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert (metrics["steps"], metrics["precision"]) == (6, "float32")
+    # Every process ends its output with its own weights fingerprint.
+    assert second.stdout.strip().splitlines()[-1].endswith(f"weights_fingerprint={metrics['weights_fingerprint']}")
+
+
+def _start(tmp_path, *args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tfdist.cli.train", f"--workdir={tmp_path / 'w'}", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=REPO,
+    )
+
+
+def _wait_for_checkpoint(tmp_path, proc, timeout=120):
+    deadline = time.time() + timeout
+    index = tmp_path / "w" / "checkpoints" / "checkpoint"
+    while time.time() < deadline:
+        if index.exists() and proc.poll() is None:
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.02)
+    raise AssertionError("no checkpoint appeared")
+
+
+def _latest_step(tmp_path):
+    text = (tmp_path / "w" / "checkpoints" / "checkpoint").read_text()
+    return int(re.search(r'model_checkpoint_path: "ckpt-(\d+)"', text).group(1))
+
+
+SLOW = ["--steps_per_execution=1", "--checkpoint_every_steps=20", "--epochs=5"]
+
+
+def test_killed_run_resumes_at_its_checkpoint(tmp_path):
+    proc = _start(tmp_path, *SLOW)
+    _wait_for_checkpoint(tmp_path, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    step = _latest_step(tmp_path)
+    assert 0 < step < 310 and not (tmp_path / "w" / "metrics.json").exists()
+    result = run_train([f"--workdir={tmp_path / 'w'}", *SLOW], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(rf"Resuming from checkpoint \S+ckpt-{step} at step {step}\.", result.stderr)
+    metrics = json.loads((tmp_path / "w" / "metrics.json").read_text())
+    assert (metrics["resumed_from_step"], metrics["steps"]) == (step, 310)
+    assert metrics["eval_accuracy"] >= 0.97
+
+
+def test_sigterm_saves_then_resumes(tmp_path):
+    proc = _start(tmp_path, *SLOW)
+    _wait_for_checkpoint(tmp_path, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, output[-3000:]
+    match = re.search(r"stopped by a signal at step (\d+); checkpoint \S+ckpt-(\d+) was saved", output)
+    assert match and match.group(1) == match.group(2), output[-3000:]
+    step = int(match.group(1))
+    assert _latest_step(tmp_path) == step
+    result = run_train([f"--workdir={tmp_path / 'w'}", *SLOW], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"at step {step}." in result.stderr
+    metrics = json.loads((tmp_path / "w" / "metrics.json").read_text())
+    assert (metrics["resumed_from_step"], metrics["steps"]) == (step, 310)
