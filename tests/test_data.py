@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-import tensorflow_datasets as tfds
+import tensorflow_datasets.testing as tfds_testing
 
 from tests.conftest import SHARED_MNIST
 from tests.idx_files import write_mnist_dir
@@ -112,7 +112,7 @@ def test_synthetic_source_shapes():
 
 
 def test_tfds_source_with_mock_data():
-    with tfds.testing.mock_data(num_examples=96):
+    with tfds_testing.mock_data(num_examples=96):
         d = data.load_dataset("tfds:mnist")
     assert d.name == "tfds:mnist"
     assert d.train_images.shape == (96, 28, 28, 1) and d.train_images.dtype == np.uint8
@@ -126,6 +126,6 @@ def test_tfds_without_download_says_what_is_missing(tmp_path):
 
 
 def test_tfds_non_mnist_shape_is_rejected():
-    with tfds.testing.mock_data(num_examples=8):
+    with tfds_testing.mock_data(num_examples=8):
         with pytest.raises(UserError, match=r"has images of shape \(32, 32, 3\)"):
             data.load_dataset("tfds:cifar10")
