@@ -57,13 +57,18 @@ def test_max_steps_caps_total():
     assert plan(1, max_steps=7).total_steps == 7
 
 
-def test_linear_warmup_schedule():
+def test_warmup_then_cosine_schedule():
     p = plan(1, warmup_epochs=1.0)
-    assert p.warmup_steps == p.steps_per_epoch
-    schedule = batching.LinearWarmup(0.1, 4)
-    values = [float(schedule(s)) for s in range(6)]
-    np.testing.assert_allclose(values, [0.025, 0.05, 0.075, 0.1, 0.1, 0.1], rtol=1e-6)
-    assert float(batching.LinearWarmup(0.1, 0)(0)) == pytest.approx(0.1)
+    assert p.warmup_steps == p.steps_per_epoch and p.decay_steps == 5 * p.steps_per_epoch
+    assert plan(1, lr_schedule="constant").decay_steps == 0
+    constant = batching.WarmupCosine(0.1, 4)
+    np.testing.assert_allclose([float(constant(s)) for s in range(6)], [0.025, 0.05, 0.075, 0.1, 0.1, 0.1], rtol=1e-6)
+    cosine = batching.WarmupCosine(0.1, 2, 10)
+    values = [float(cosine(s)) for s in range(11)]
+    np.testing.assert_allclose(values[:2], [0.05, 0.1], rtol=1e-6)
+    assert values[6] == pytest.approx(0.05, rel=1e-5)  # Halfway through the decay.
+    assert values[10] == pytest.approx(0.0, abs=1e-7) and all(a >= b for a, b in zip(values[1:], values[2:]))
+    assert float(batching.WarmupCosine(0.1, 0)(0)) == pytest.approx(0.1)
 
 
 def test_eval_steps_cover_every_example():

@@ -10,7 +10,9 @@ numbers the loop and the input pipeline use, and checks them:
 accumulation each replica accumulates ``grad_accum_steps`` micro-batches
 before the single optimizer step, so the global batch grows by that factor.
 The learning rate is ``--learning_rate`` times the replica scaling factor
-(``--lr_scaling``), reached by linear warm-up over ``--warmup_epochs``.
+(``--lr_scaling``), reached by linear warm-up over ``--warmup_epochs`` and then,
+with ``--lr_schedule=cosine`` (the default), decayed to 0 by the last step of
+``--epochs`` along a cosine.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class BatchPlan:
     learning_rate: float  # After replica scaling.
     lr_scale: float
     warmup_steps: int
+    decay_steps: int  # 0: constant after warm-up.
     eval_per_replica_batch: int
     eval_steps: int
 
@@ -48,7 +51,7 @@ class BatchPlan:
             f"grad_accum_steps={self.grad_accum_steps} steps_per_epoch={self.steps_per_epoch} "
             f"total_steps={self.total_steps} steps_per_execution={self.steps_per_execution} "
             f"learning_rate={self.learning_rate:g} (x{self.lr_scale:g} for {self.num_replicas} "
-            f"replica(s)) warmup_steps={self.warmup_steps}"
+            f"replica(s)) warmup_steps={self.warmup_steps} decay_steps={self.decay_steps}"
         )
 
 
@@ -99,24 +102,31 @@ def plan(config: TrainConfig, *, num_replicas: int, num_train: int, num_eval: in
         learning_rate=config.learning_rate * lr_scale,
         lr_scale=lr_scale,
         warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)),
+        decay_steps=steps_per_epoch * config.epochs if config.lr_schedule == "cosine" else 0,
         eval_per_replica_batch=eval_batch,
         eval_steps=max(1, -(-num_eval // (eval_batch * num_replicas))),
     )
 
 
 @keras.saving.register_keras_serializable("tfdist")
-class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
-    """Rises linearly from peak/warmup_steps to `peak` over `warmup_steps`, then stays."""
+class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up to `peak` over `warmup_steps`, then (if `decay_steps`) cosine decay to 0.
 
-    def __init__(self, peak: float, warmup_steps: int):
+    With ``decay_steps=0`` the rate stays at `peak` after warm-up.
+    """
+
+    def __init__(self, peak: float, warmup_steps: int, decay_steps: int = 0):
         self.peak = float(peak)
         self.warmup_steps = int(warmup_steps)
+        self.decay_steps = int(decay_steps)
 
     def __call__(self, step):
         step = tf.cast(step, tf.float32)
-        if self.warmup_steps <= 0:
-            return tf.constant(self.peak, tf.float32) + 0.0 * step
-        return self.peak * tf.minimum(1.0, (step + 1.0) / float(self.warmup_steps))
+        warm = tf.minimum(1.0, (step + 1.0) / float(max(1, self.warmup_steps)))
+        if self.decay_steps <= self.warmup_steps:
+            return self.peak * warm
+        progress = tf.clip_by_value((step - self.warmup_steps) / float(self.decay_steps - self.warmup_steps), 0.0, 1.0)
+        return self.peak * warm * 0.5 * (1.0 + tf.cos(math.pi * progress))
 
     def get_config(self) -> dict:
-        return {"peak": self.peak, "warmup_steps": self.warmup_steps}
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps}

@@ -18,6 +18,7 @@ from tfdist.errors import UserError
 
 PRECISIONS = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 LR_SCALINGS = ("none", "linear", "sqrt")
+LR_SCHEDULES = ("cosine", "constant")
 DEFAULT_GLOBAL_BATCH_SIZE = 128
 
 # Fields that must match between a run and the run it resumes: changing them
@@ -30,6 +31,7 @@ RESUME_KEYS = (
     "grad_accum_steps",
     "seed",
     "epochs",
+    "lr_schedule",
 )
 
 
@@ -56,9 +58,10 @@ class TrainConfig:
     epochs: int = 5
     global_batch_size: Optional[int] = None
     per_replica_batch_size: Optional[int] = None
-    learning_rate: float = 1e-3
+    learning_rate: float = 3e-3
     lr_scaling: str = "none"
     warmup_epochs: float = 0.0
+    lr_schedule: str = "cosine"
     grad_accum_steps: int = 1
     steps_per_execution: Optional[int] = None
     precision: str = "auto"
@@ -74,6 +77,7 @@ class TrainConfig:
         """Raises `UserError` for values no backend could accept."""
         _choice("precision", self.precision, PRECISIONS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.global_batch_size is not None and self.per_replica_batch_size is not None:
             raise UserError(
                 f"--global_batch_size={self.global_batch_size} and "

@@ -140,7 +140,8 @@ class _Run:
         precision.apply(self.precision, device_kind=self.backend.device_kind)
         with self.backend.scope():
             self.model = model_lib.build_cnn(self.config.seed)
-            optimizer = keras.optimizers.Adam(batching.LinearWarmup(plan.learning_rate, plan.warmup_steps))
+            optimizer = keras.optimizers.Adam(
+                batching.WarmupCosine(plan.learning_rate, plan.warmup_steps, plan.decay_steps))
             if self.precision.loss_scaling:
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             self.optimizer = optimizer

@@ -18,7 +18,7 @@ common.quiet_tensorflow()
 from absl import app, flags, logging  # noqa: E402
 
 from tfdist import strategies  # noqa: E402
-from tfdist.config import LR_SCALINGS, PRECISIONS, TrainConfig  # noqa: E402
+from tfdist.config import LR_SCALINGS, LR_SCHEDULES, PRECISIONS, TrainConfig  # noqa: E402
 from tfdist.errors import UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -49,6 +49,8 @@ flags.DEFINE_integer("per_replica_batch_size", None, "Examples per replica per f
 flags.DEFINE_float("learning_rate", _D.learning_rate, "Adam learning rate before replica scaling.")
 flags.DEFINE_enum("lr_scaling", _D.lr_scaling, LR_SCALINGS, "Scale the learning rate with the replica count.")
 flags.DEFINE_float("warmup_epochs", _D.warmup_epochs, "Linear learning-rate warm-up, in epochs.")
+flags.DEFINE_enum("lr_schedule", _D.lr_schedule, LR_SCHEDULES, "After warm-up: cosine decay to 0 by the last "
+                  "epoch, or constant.")
 flags.DEFINE_integer("grad_accum_steps", _D.grad_accum_steps, "Micro-batches accumulated per optimizer step.")
 flags.DEFINE_integer("steps_per_execution", None, "Steps per compiled execution (default 10; 100 on TPU).")
 flags.DEFINE_string("precision", _D.precision, f"One of: {', '.join(PRECISIONS)}.")

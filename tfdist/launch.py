@@ -1,0 +1,220 @@
+"""A local launcher for multi-process jobs: TF_CONFIG per task, free loopback ports.
+
+`Launcher` starts one process per task of a `ClusterLayout` with the TF_CONFIG
+that task needs, prefixes every line each one prints with its role and index,
+forwards SIGINT/SIGTERM to all of them, and, when one fails, stops the others
+(SIGTERM, then SIGKILL after a grace period) and reports the failing task's exit
+status and last lines. It never changes its own environment: each child gets
+its own copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, Sequence, TextIO
+
+from tfdist.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterLayout:
+    """How many tasks of each role a job has."""
+
+    num_workers: int
+    num_ps: int = 0
+    chief: bool = False  # A separate chief task (parameter-server jobs need one).
+
+    def validate(self) -> "ClusterLayout":
+        if self.num_workers < 1:
+            raise UserError(f"--num_workers={self.num_workers} must be 1 or more.")
+        if self.num_ps < 0:
+            raise UserError(f"--num_ps={self.num_ps} must be 0 or more.")
+        return self
+
+    def roles(self) -> list[tuple[str, int]]:
+        """Every task as (role, index), chief first, then workers, then ps."""
+        tasks = [("chief", 0)] if self.chief else []
+        tasks += [("worker", i) for i in range(self.num_workers)]
+        tasks += [("ps", i) for i in range(self.num_ps)]
+        return tasks
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports that were free on `host` a moment ago (all held open until all are chosen)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def cluster_spec(layout: ClusterLayout, addresses: Sequence[str]) -> dict[str, list[str]]:
+    """Assigns `addresses` (one per task, in `layout.roles()` order) to roles."""
+    roles = layout.roles()
+    if len(addresses) != len(roles):
+        raise UserError(
+            f"{len(addresses)} address(es) given for {len(roles)} task(s) "
+            f"({', '.join(f'{r}:{i}' for r, i in roles)}); give exactly one host:port per task."
+        )
+    cluster: dict[str, list[str]] = {}
+    for (role, _), address in zip(roles, addresses):
+        cluster.setdefault(role, []).append(address)
+    return cluster
+
+
+def tf_config(cluster: dict[str, list[str]], role: str, index: int) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}, separators=(",", ":"))
+
+
+@dataclasses.dataclass
+class _Task:
+    role: str
+    index: int
+    process: subprocess.Popen
+    tail: collections.deque
+    reader: threading.Thread
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}:{self.index}"
+
+
+def describe_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class Launcher:
+    """Runs `command` once per task of `layout` and supervises the processes."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        layout: ClusterLayout,
+        *,
+        host: str = "127.0.0.1",
+        grace_s: float = 15.0,
+        tail_lines: int = 20,
+        out: TextIO = sys.stdout,
+        env: Optional[dict[str, str]] = None,
+    ):
+        if not command:
+            raise UserError("No command to launch; put it after --, e.g. tfdist-launch --num_workers=2 -- tfdist-train.")
+        self.command = list(command)
+        self.layout = layout.validate()
+        self.host = host
+        self.grace_s = grace_s
+        self.tail_lines = tail_lines
+        self.out = out
+        self.env = dict(os.environ if env is None else env)
+        self.tasks: list[_Task] = []
+        self._lock = threading.Lock()
+        self._signal: Optional[int] = None
+
+    def _print(self, text: str) -> None:
+        with self._lock:
+            self.out.write(text)
+            self.out.flush()
+
+    def _pump(self, task_label: str, stream: TextIO, tail: collections.deque) -> None:
+        for line in stream:
+            tail.append(line.rstrip("\n"))
+            self._print(f"[{task_label}] {line if line.endswith(chr(10)) else line + chr(10)}")
+
+    def start(self) -> None:
+        roles = self.layout.roles()
+        ports = free_ports(len(roles), self.host)
+        cluster = cluster_spec(self.layout, [f"{self.host}:{p}" for p in ports])
+        self._print(f"tfdist-launch: cluster {json.dumps(cluster)}\n")
+        for role, index in roles:
+            env = dict(self.env, TF_CONFIG=tf_config(cluster, role, index), PYTHONUNBUFFERED="1")
+            process = subprocess.Popen(
+                self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                bufsize=1, start_new_session=True, errors="replace",
+            )
+            tail: collections.deque = collections.deque(maxlen=self.tail_lines)
+            reader = threading.Thread(target=self._pump, args=(f"{role}:{index}", process.stdout, tail), daemon=True)
+            reader.start()
+            self.tasks.append(_Task(role, index, process, tail, reader))
+
+    def _signal_all(self, sig: int, tasks: Optional[list[_Task]] = None) -> None:
+        for task in tasks if tasks is not None else self.tasks:
+            if task.process.poll() is None:
+                try:
+                    os.killpg(task.process.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _stop_all(self) -> None:
+        """SIGTERM everything still running; SIGKILL what is left after the grace period."""
+        self._signal_all(signal.SIGTERM)
+        deadline = time.time() + self.grace_s
+        while time.time() < deadline and any(t.process.poll() is None for t in self.tasks):
+            time.sleep(0.05)
+        self._signal_all(signal.SIGKILL)
+        for task in self.tasks:
+            task.process.wait()
+            task.reader.join(timeout=5)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self._signal is not None:  # Second Ctrl-C: no more waiting.
+            self._signal_all(signal.SIGKILL)
+            return
+        self._signal = signum
+        self._print(f"tfdist-launch: got {signal.Signals(signum).name}; forwarding SIGTERM to every task "
+                    "(they checkpoint and exit).\n")
+        self._signal_all(signal.SIGTERM)
+
+    def wait(self) -> int:
+        """Supervises until every task has exited; returns the launcher's exit status."""
+        failed: Optional[_Task] = None
+        while True:
+            running = [t for t in self.tasks if t.process.poll() is None]
+            if failed is None:
+                failed = next((t for t in self.tasks if t.process.returncode not in (None, 0)), None)
+                if failed is not None and self._signal is None:
+                    self._print(f"tfdist-launch: {failed.label} {describe_status(failed.process.returncode)}; "
+                                "stopping the other tasks.\n")
+                    self._stop_all()
+                    running = []
+            if not running:
+                break
+            time.sleep(0.1)
+        for task in self.tasks:
+            task.reader.join(timeout=5)
+        if failed is None:
+            self._print(f"tfdist-launch: all {len(self.tasks)} task(s) finished.\n")
+            return 0
+        code = failed.process.returncode
+        status = 128 - code if code < 0 else code
+        tail = "\n".join(f"  {line}" for line in failed.tail)
+        self._print(f"tfdist-launch: {failed.label} {describe_status(code)}. Its last lines:\n{tail}\n")
+        return status
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            return self.wait()
+        finally:
+            self._signal_all(signal.SIGKILL)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
