@@ -70,3 +70,32 @@ def test_malformed_tf_config(value, expected):
     assert message.startswith("TF_CONFIG is invalid: ")
     assert expected in message
     assert "A valid TF_CONFIG looks like" in message
+
+
+SLURM_STEP = {
+    "SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3",
+    "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2,1",
+}
+
+
+def test_slurm_step_becomes_a_worker_cluster():
+    info = cluster.resolve(SLURM_STEP)
+    assert info.source == "SLURM"
+    assert info.cluster == {"worker": ("node07:8888", "node07:8889", "node08:8888")}
+    assert (info.task_type, info.task_index, info.num_workers, info.is_chief) == ("worker", 1, 3, False)
+
+
+def test_slurm_port_base_and_tf_config_precedence():
+    info = cluster.resolve({**SLURM_STEP, "TFDIST_SLURM_PORT_BASE": "12000"})
+    assert info.cluster["worker"][0] == "node07:12000"
+    tf_config = json.dumps({"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0}})
+    assert cluster.resolve({**SLURM_STEP, "TF_CONFIG": tf_config}).source == "TF_CONFIG"
+
+
+def test_single_task_slurm_step_is_local():
+    assert cluster.resolve({**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "1"}) is cluster.LOCAL
+
+
+def test_inconsistent_slurm_step_is_a_clear_error():
+    with pytest.raises(UserError, match="This looks like a SLURM job step .* could not be resolved"):
+        cluster.resolve({**SLURM_STEP, "SLURM_STEP_TASKS_PER_NODE": "1"})

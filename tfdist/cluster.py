@@ -69,12 +69,75 @@ LOCAL = ClusterInfo("local", {}, None, 0)
 
 
 def resolve(environ: Optional[Mapping[str, str]] = None) -> ClusterInfo:
-    """Reads the cluster from `environ` (default: os.environ). Read-only."""
+    """Reads the cluster from `environ` (default: os.environ). Read-only.
+
+    TF_CONFIG wins; without it, a SLURM job step of more than one task
+    (``srun``) is read with TensorFlow's SlurmClusterResolver; otherwise the
+    process is alone.
+    """
     environ = os.environ if environ is None else environ
     raw = environ.get("TF_CONFIG", "").strip()
     if raw:
         return parse_tf_config(raw)
+    if _slurm_tasks(environ) > 1:
+        return from_slurm(environ)
     return LOCAL
+
+
+def _slurm_tasks(environ: Mapping[str, str]) -> int:
+    if "SLURM_PROCID" not in environ or "SLURM_STEP_ID" not in environ:
+        return 0
+    value = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "0"
+    return int(value) if value.isdigit() else 0
+
+
+def from_slurm(environ: Mapping[str, str]) -> ClusterInfo:
+    """Resolves a SLURM step (one worker per task) with TensorFlow's resolver.
+
+    Ports are TFDIST_SLURM_PORT_BASE (default 8888) plus the task's slot on its
+    node. The resolver is asked not to touch CUDA_VISIBLE_DEVICES: resolution
+    stays read-only.
+    """
+    import contextlib
+    from unittest import mock
+
+    import tensorflow as tf
+
+    port_base = environ.get("TFDIST_SLURM_PORT_BASE", "8888")
+    if not port_base.isdigit():
+        raise UserError(f"TFDIST_SLURM_PORT_BASE={port_base!r} must be a port number, e.g. 8888.")
+    try:
+        # The resolver reads os.environ itself; show it the mapping we were given.
+        same = environ is os.environ
+        with contextlib.nullcontext() if same else mock.patch.dict(os.environ, dict(environ), clear=True):
+            # GPU numbers only feed its CUDA_VISIBLE_DEVICES assignment, which is switched off.
+            resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=int(port_base), gpus_per_node=1024, gpus_per_task=1,
+                                            auto_set_gpu=False)
+            spec = resolver.cluster_spec().as_dict()
+            task_type, task_id = resolver.get_task_info()
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UserError(
+            f"This looks like a SLURM job step (SLURM_PROCID={environ.get('SLURM_PROCID')}), but its "
+            f"environment could not be resolved into a cluster: {e}. Launch with srun, or set TF_CONFIG."
+        ) from None
+    cluster = {role: tuple(addresses) for role, addresses in spec.items()}
+    return ClusterInfo("SLURM", cluster, task_type, int(task_id))
+
+
+def tf_cluster_resolver(info: ClusterInfo):
+    """A TensorFlow cluster resolver for `info` (None when alone or from TF_CONFIG).
+
+    TF_CONFIG clusters are left to TensorFlow's own TFConfigClusterResolver,
+    which reads the same variable this module validated.
+    """
+    if info.source != "SLURM":
+        return None
+    import tensorflow as tf
+
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({k: list(v) for k, v in info.cluster.items()}),
+        task_type=info.task_type, task_id=info.task_index, rpc_layer="grpc",
+    )
 
 
 def _fail(message: str) -> UserError:

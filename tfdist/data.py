@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfdist import idx
 from tfdist.errors import UserError
@@ -198,6 +199,9 @@ def train_dataset_fn(
                 f"Input pipeline {ctx.input_pipeline_id} holds {shard_size} examples, "
                 f"fewer than one epoch needs ({per_epoch}); lower the batch size."
             )
+        logging.info("Input pipeline %d of %d: %d training examples in its shard, per-replica batch %d, "
+                     "%d replica(s) fed by it.", ctx.input_pipeline_id, ctx.num_input_pipelines, shard_size,
+                     per_replica_batch, replicas_here)
         ds = ds.shuffle(shard_size, seed=seed, reshuffle_each_iteration=True)
         ds = ds.take(per_epoch).batch(per_replica_batch, drop_remainder=True).repeat()
         ds = ds.skip(start_step * replicas_here)

@@ -11,11 +11,15 @@ its own copy.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -46,6 +50,40 @@ class ClusterLayout:
         tasks += [("worker", i) for i in range(self.num_workers)]
         tasks += [("ps", i) for i in range(self.num_ps)]
         return tasks
+
+
+_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def isolate_network() -> None:
+    """Moves this process (and so every task it starts) into a private network namespace.
+
+    TensorFlow's gRPC servers listen on every interface whatever address
+    TF_CONFIG gives them; inside a private namespace the only interface is
+    this job's own loopback, so no other machine (and no other process on
+    this one) can reach the tasks' ports. Must run before any thread starts.
+    Raises OSError when the kernel or sandbox does not allow it.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
+    if libc.unshare(flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"unshare: {os.strerror(code)}")
+    if flags & _CLONE_NEWUSER:  # Keep the same identity inside the new user namespace.
+        for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
+                           ("/proc/self/gid_map", f"{gid} {gid} 1")):
+            try:
+                with open(path, "w") as f:
+                    f.write(text)
+            except FileNotFoundError:
+                if path != "/proc/self/setgroups":
+                    raise
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # Bring the new loopback up.
+        request = struct.pack("16sH14x", b"lo", 0)
+        current = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", current | _IFF_UP))
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -154,6 +192,7 @@ class Launcher:
             reader = threading.Thread(target=self._pump, args=(f"{role}:{index}", process.stdout, tail), daemon=True)
             reader.start()
             self.tasks.append(_Task(role, index, process, tail, reader))
+            self._print(f"tfdist-launch: started {role}:{index} (pid {process.pid}) at {cluster[role][index]}\n")
 
     def _signal_all(self, sig: int, tasks: Optional[list[_Task]] = None) -> None:
         for task in tasks if tasks is not None else self.tasks:

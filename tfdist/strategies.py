@@ -232,7 +232,9 @@ def _multi_worker_mirrored(config: TrainConfig) -> Backend:
         implementation=implementation,
         timeout_seconds=config.collective_timeout_s or None,
     )
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=cluster_lib.tf_cluster_resolver(info), communication_options=options,
+    )
     return Backend("multi_worker_mirrored", strategy, _device_kind(), cluster=info,
                    description=f"MultiWorkerMirroredStrategy, {max(1, info.num_workers)} worker(s), "
                                f"task {info.label}, all-reduce {config.all_reduce}",

@@ -16,7 +16,7 @@ import sys
 
 from tfdist.cli import common
 from tfdist.errors import UserError
-from tfdist.launch import ClusterLayout, Launcher, cluster_spec, tf_config
+from tfdist.launch import ClusterLayout, Launcher, cluster_spec, isolate_network, tf_config
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -34,6 +34,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--hosts", default="",
                         help="With --print_tf_config: comma-separated host:port per task, chief first, then "
                              "workers, then ps (default: localhost:2222, localhost:2223, ...).")
+    parser.add_argument("--network", choices=("isolated", "host"), default="isolated",
+                        help="isolated (default): run the tasks in a private network namespace, so their ports "
+                             "are reachable only from this job; host: use this machine's network (needed when "
+                             "tasks must reach the internet, e.g. tfds --download).")
     parser.add_argument("--grace_s", type=float, default=15.0,
                         help="Seconds the other tasks get to exit after one fails, before SIGKILL.")
     return parser.parse_args(own), command
@@ -57,6 +61,16 @@ def main(argv: list[str]) -> int:
     if not command:
         raise UserError("No command to launch; put it after --, e.g. "
                         "tfdist-launch --num_workers=2 -- tfdist-train --strategy=multi_worker_mirrored.")
+    if args.network == "isolated":
+        try:
+            isolate_network()
+            print("tfdist-launch: the tasks share a private network namespace; their ports are reachable only "
+                  "from this job.", flush=True)
+        except OSError as e:
+            print(f"tfdist-launch: warning: could not create a private network namespace ({e}); the tasks use "
+                  "this machine's network, where TensorFlow's servers listen on all interfaces for the job's "
+                  "ports. Run on a trusted network or behind a firewall (--network=host silences this).",
+                  file=sys.stderr, flush=True)
     return Launcher(command, layout, grace_s=args.grace_s).run()
 
 

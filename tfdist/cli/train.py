@@ -75,18 +75,38 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.INFO)
     from tfdist import train  # Imported late: pulls in TensorFlow.
 
+    import tensorflow as tf
+
     config = config_from_flags().validate()
     try:
         metrics = train.train_and_evaluate(config)
     except train.Preempted as e:
         logging.warning("%s", e)
         return 143
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError,
+            tf.errors.AbortedError) as e:
+        # A lost peer surfaces as one of these in every surviving task: say so in one paragraph.
+        common.fail("tfdist-train", f"{describe_lost_peer(e)} A worker or parameter server probably died or "
+                    "became unreachable; its own log says why. "
+                    "Relaunch with the same --workdir to resume from the last checkpoint.", 1)
     print(
         f"[{metrics['task']}] done: steps={metrics['steps']} eval_accuracy={metrics['eval_accuracy']:.4f} "
         f"workdir={metrics['workdir']} weights_fingerprint={metrics['weights_fingerprint']}",
         flush=True,
     )
     return 0
+
+
+def describe_lost_peer(error: Exception) -> str:
+    """Names the task a TensorFlow runtime error lost contact with, when it says."""
+    import re
+
+    text = getattr(error, "message", "") or str(error)
+    task = re.search(r"(/job:[a-z]+/replica:\d+/task:\d+)", text)
+    detail = next((line.strip() for line in text.splitlines() if "grpc_message" in line or "Socket closed" in line
+                   or "failed to connect" in line.lower()), text.strip().splitlines()[0] if text.strip() else "")
+    where = f"task {task.group(1)}" if task else "another task of the job"
+    return f"lost contact with {where} ({type(error).__name__}: {detail[:300]})."
 
 
 def _main(argv: list[str]) -> int | None:

@@ -1,0 +1,193 @@
+"""tfdist.launch / tfdist-launch: real multi-worker jobs on loopback ports.
+
+Two MultiWorkerMirroredStrategy workers train the bundled digits through the
+launcher; failures (a killed worker, SIGTERM to the launcher, a task that
+exits with an error) are provoked for real and their outcome checked.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import REPO, run_module, subprocess_env
+from tfdist import cluster, launch
+from tfdist.errors import UserError
+
+TRAIN = [sys.executable, "-m", "tfdist.cli.train"]
+
+
+class Job:
+    """tfdist-launch in a subprocess, its output collected line by line."""
+
+    def __init__(self, tmp_path, train_args, num_workers=2, launch_args=()):
+        self.scratch = tmp_path / "tmp"
+        self.scratch.mkdir(exist_ok=True)
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tfdist.cli.launch", f"--num_workers={num_workers}", *launch_args, "--",
+             *TRAIN, *train_args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            env=subprocess_env({"TMPDIR": str(self.scratch)}),
+        )
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self, timeout=300) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)
+        return code
+
+    def wait_for(self, pattern, timeout=180):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            match = re.search(pattern, self.output)
+            if match:
+                return match
+            assert self.proc.poll() is None, self.output[-4000:]
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} never appeared:\n{self.output[-4000:]}")
+
+    def pids(self) -> dict:
+        return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", self.output)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is not "left behind" once its parent reaped it; check the state.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def fingerprints(output: str) -> dict:
+    return dict(re.findall(r"^\[(worker:\d)\] .*weights_fingerprint=(\w+)$", output, re.M))
+
+
+def test_layout_and_tf_configs():
+    layout = launch.ClusterLayout(2, 1, chief=True)
+    assert layout.roles() == [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0)]
+    spec = launch.cluster_spec(layout, ["a:1", "b:2", "c:3", "d:4"])
+    info = cluster.parse_tf_config(launch.tf_config(spec, "worker", 1))
+    assert (info.num_workers, info.num_ps, info.worker_index) == (3, 1, 2)
+    with pytest.raises(UserError, match=r"3 address\(es\) given for 4 task\(s\)"):
+        launch.cluster_spec(layout, ["a:1", "b:2", "c:3"])
+    ports = launch.free_ports(4)
+    assert len(set(ports)) == 4 and all(1 <= p <= 65535 for p in ports)
+
+
+def test_isolated_network_has_only_loopback():
+    code = ("from tfdist.launch import isolate_network; isolate_network(); "
+            "print(sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+                            cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['lo']"
+
+
+def test_print_tf_config_for_job_files():
+    result = run_module("tfdist.cli.launch", ["--print_tf_config", "--num_workers=2",
+                                              "--hosts=node1:2222,node2:2222"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    configs = re.findall(r"^TF_CONFIG='(.*)'$", result.stdout, re.M)
+    assert [json.loads(c)["task"] for c in configs] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+    assert json.loads(configs[0])["cluster"] == {"worker": ["node1:2222", "node2:2222"]}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--num_workers=2"], "No command to launch"),
+    (["--num_workers=0", "--", "true"], "--num_workers=0 must be 1 or more"),
+    (["--print_tf_config", "--num_workers=2", "--hosts=a:1"], r"1 address(es) given for 2 task(s)"),
+    (["--print_tf_config", "--num_workers=2", "--hosts=a:1,a:1"], 'duplicates cluster.worker[0]'),
+])
+def test_launcher_bad_input(args, expected):
+    result = run_module("tfdist.cli.launch", args, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("tfdist-launch: error: ") and expected in result.stderr
+
+
+def test_two_workers_train_to_the_same_weights(tmp_path):
+    workdir = tmp_path / "w"
+    job = Job(tmp_path, ["--strategy=multi_worker_mirrored", f"--workdir={workdir}"])
+    assert job.wait() == 0, job.output[-4000:]
+    assert "the tasks share a private network namespace" in job.output
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert (metrics["num_workers"], metrics["num_replicas"], metrics["steps"]) == (2, 2, 310)
+    assert metrics["eval_accuracy"] >= 0.97 and metrics["eval_examples"] == 2000
+    prints = fingerprints(job.output)
+    assert set(prints) == {"worker:0", "worker:1"} and len(set(prints.values())) == 1
+    assert prints["worker:0"] == metrics["weights_fingerprint"]
+    # Each worker feeds its own shard: half the digits, half the global batch per step.
+    for i in (0, 1):
+        assert re.search(rf"^\[worker:{i}\] .*Input pipeline {i} of 2: 4000 training examples in its shard, "
+                         r"per-replica batch 64", job.output, re.M)
+    # Only the chief wrote into the workdir; the other worker's private saves are gone.
+    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "metrics.json", "model.keras",
+                                           "tensorboard"]
+    assert not [p for p in os.listdir(job.scratch) if p.startswith("tfdist-worker-ckpt-")]
+
+
+SLOW = ["--strategy=multi_worker_mirrored", "--steps_per_execution=1", "--checkpoint_every_steps=20"]
+
+
+def test_killed_worker_stops_the_job_and_relaunch_resumes(tmp_path):
+    workdir = tmp_path / "w"
+    job = Job(tmp_path, [*SLOW, f"--workdir={workdir}"], launch_args=["--grace_s=10"])
+    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+    pids = job.pids()
+    os.kill(pids["worker:1"], signal.SIGKILL)
+    killed_at = time.time()
+    code = job.wait(timeout=90)
+    assert code != 0 and time.time() - killed_at < 60, job.output[-4000:]
+    assert "tfdist-launch: worker:1 was killed by SIGKILL" in job.output
+    assert not any(alive(pid) for pid in pids.values()), "a task outlived the launcher"
+    step = int(re.search(r'model_checkpoint_path: "ckpt-(\d+)"',
+                         (workdir / "checkpoints" / "checkpoint").read_text()).group(1))
+    assert 0 < step < 310
+    again = Job(tmp_path, [*SLOW, f"--workdir={workdir}"])
+    assert again.wait() == 0, again.output[-4000:]
+    assert re.search(rf"\[worker:0\] .*Resuming from checkpoint \S+ckpt-{step} at step {step}\.", again.output)
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert (metrics["resumed_from_step"], metrics["steps"], metrics["num_workers"]) == (step, 310, 2)
+    assert metrics["eval_accuracy"] >= 0.97
+    assert len(set(fingerprints(again.output).values())) == 1
+
+
+def test_sigterm_to_the_launcher_checkpoints_then_resumes(tmp_path):
+    workdir = tmp_path / "w"
+    job = Job(tmp_path, [*SLOW, f"--workdir={workdir}"])
+    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+    job.proc.send_signal(signal.SIGTERM)
+    code = job.wait(timeout=120)
+    assert code == 143, job.output[-4000:]
+    match = re.search(r"stopped by a signal at step (\d+); checkpoint \S+ckpt-(\d+) was saved", job.output)
+    assert match and match.group(1) == match.group(2), job.output[-4000:]
+    step = int(match.group(1))
+    again = Job(tmp_path, [*SLOW, f"--workdir={workdir}"])
+    assert again.wait() == 0, again.output[-4000:]
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert (metrics["resumed_from_step"], metrics["steps"]) == (step, 310)
+
+
+def test_a_failing_task_fails_the_launch_with_its_status_and_last_lines(tmp_path):
+    job = Job(tmp_path, ["--strategy=multi_worker_mirrored", "--global_batch_size=3", f"--workdir={tmp_path / 'w'}"])
+    code = job.wait(timeout=120)
+    assert code == 2, job.output[-4000:]
+    assert re.search(r"tfdist-launch: worker:\d exited with status 2\. Its last lines:\n.*"
+                     r"tfdist-train: error: --global_batch_size=3 does not divide evenly across 2 replica", job.output,
+                     re.S)
