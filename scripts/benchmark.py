@@ -10,6 +10,8 @@ epochs 2..N (the first epoch pays for tracing and start-up in both).
 
 Rows:
   fit   tfdist-train (default strategy) vs plain Keras 3 model.fit: same model, data, batch, precision.
+  mwms  MultiWorkerMirroredStrategy, 2 workers over loopback (tfdist-launch) vs 1 worker, same global
+        batch; plus an estimate of the all-reduce share of a 2-worker step.
 """
 
 from __future__ import annotations
@@ -66,7 +68,43 @@ def row_fit(args: argparse.Namespace) -> tuple[str, Callable[[], dict], str, Cal
     )
 
 
-ROWS = {"fit": row_fit}
+LAUNCH = [sys.executable, "-m", "tfdist.cli.launch"]
+
+
+def row_mwms(args: argparse.Namespace) -> tuple[str, Callable[[], dict], str, Callable[[], dict]]:
+    common = ["--strategy=multi_worker_mirrored", "--global_batch_size=128", f"--epochs={args.epochs}",
+              f"--precision={args.precision}"]
+    return (
+        "2 workers over loopback",
+        lambda: tfdist_train(common, launcher=[*LAUNCH, "--num_workers=2", "--"]),
+        "1 worker",
+        lambda: tfdist_train(common),
+    )
+
+
+def extra_mwms(args: argparse.Namespace, a: list[dict]) -> dict:
+    """Estimates the all-reduce share of a 2-worker step from a 1-worker run at half the batch.
+
+    A worker of the 2-worker job computes on 64 examples per step, as the
+    1-worker run at batch 64 does; the rest of its step time is communication
+    and synchronisation. On a machine with fewer cores than the job needs the
+    workers also compete for CPU, which this counts as communication.
+    """
+    half = [tfdist_train(["--strategy=multi_worker_mirrored", "--global_batch_size=64", f"--epochs={args.epochs}",
+                          f"--precision={args.precision}"]) for _ in range(args.repeats)]
+
+    def step_seconds(m: dict) -> float:
+        seconds = m["epoch_train_seconds"][1:] or m["epoch_train_seconds"]
+        return sum(seconds) / (len(seconds) * m["steps_per_epoch"])
+
+    compute = statistics.median(step_seconds(m) for m in half)
+    full = statistics.median(step_seconds(m) for m in a)
+    return {"one_worker_half_batch_step_ms": round(1000 * compute, 3), "two_worker_step_ms": round(1000 * full, 3),
+            "allreduce_share_estimate": round(max(0.0, 1 - compute / full), 3)}
+
+
+ROWS = {"fit": row_fit, "mwms": row_mwms}
+EXTRAS = {"mwms": extra_mwms}
 
 
 def measure(name: str, args: argparse.Namespace) -> dict:
@@ -76,7 +114,8 @@ def measure(name: str, args: argparse.Namespace) -> dict:
         a.append(run_a())
         b.append(run_b())
     ta, tb = [steady_throughput(m) for m in a], [steady_throughput(m) for m in b]
-    return {
+    extra = EXTRAS[name](args, a) if name in EXTRAS else {}
+    return {**extra,
         "row": name, "a": label_a, "b": label_b,
         "a_examples_per_sec": [round(x) for x in ta], "b_examples_per_sec": [round(x) for x in tb],
         "a_eval_accuracy": [round(m["eval_accuracy"], 4) for m in a],
@@ -100,9 +139,12 @@ def main() -> None:
     for name in args.rows.split(","):
         result = measure(name, args)
         results.append(result)
+        extra = {k: v for k, v in result.items() if k not in ("row", "a", "b", "a_examples_per_sec",
+                 "b_examples_per_sec", "a_eval_accuracy", "b_eval_accuracy", "ratio_a_over_b")}
         print(f"{name:>6}: {result['a']} / {result['b']} = {result['ratio_a_over_b']:.3f}  "
               f"(examples/s {result['a_examples_per_sec']} vs {result['b_examples_per_sec']}; "
-              f"eval accuracy {result['a_eval_accuracy']} vs {result['b_eval_accuracy']})", flush=True)
+              f"eval accuracy {result['a_eval_accuracy']} vs {result['b_eval_accuracy']})"
+              + (f" {extra}" if extra else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
