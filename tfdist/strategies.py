@@ -143,8 +143,12 @@ def _device_kind() -> str:
 
 @register("auto")
 def _auto(config: TrainConfig) -> Backend:
+    from tfdist import tpu
+
     info = cluster_lib.resolve()
-    if info.is_multi_worker:
+    if config.tpu or tpu.tpu_detected():
+        name = "tpu"
+    elif info.is_multi_worker:
         name = "parameter_server" if info.num_ps else "multi_worker_mirrored"
     elif config.num_cpu_replicas or len(_gpus()) > 1:
         name = "mirrored"
@@ -241,16 +245,27 @@ def _multi_worker_mirrored(config: TrainConfig) -> Backend:
                    gpu_compute_capability=gpu_compute_capability())
 
 
+@register("tpu")
+def _tpu(config: TrainConfig) -> Backend:
+    import os
+
+    from tfdist import tpu
+
+    address = config.tpu or os.environ.get("TPU_NAME") or "local"
+    strategy = tpu.connect(address, zone=config.tpu_zone, project=config.gcp_project)
+    return Backend("tpu", strategy, "tpu",
+                   description=f"TPUStrategy on --tpu={address} ({strategy.num_replicas_in_sync} cores)")
+
+
 def _not_yet(name: str, issue: str) -> Builder:
     def builder(config: TrainConfig) -> Backend:
         raise UserError(
             f"--strategy={name} is not available in this version of tfdist yet ({issue}). "
-            f"Working strategies: default, one_device, mirrored, multi_worker_mirrored."
+            f"Working strategies: default, one_device, mirrored, multi_worker_mirrored, tpu."
         )
 
     return builder
 
 
 register("parameter_server")(_not_yet("parameter_server", "parameter-server training is being built"))
-register("tpu")(_not_yet("tpu", "TPUStrategy support is being built"))
 register("horovod")(_not_yet("horovod", "the Horovod backend is being built"))

@@ -325,6 +325,7 @@ class _Run:
             "learning_rate": plan.learning_rate,
             "steps": self.step,
             "steps_per_epoch": plan.steps_per_epoch,
+            "steps_per_execution": plan.steps_per_execution,
             "epochs": config.epochs,
             "resumed_from_step": resumed_from,
             **eval_metrics,

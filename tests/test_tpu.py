@@ -1,0 +1,151 @@
+"""tfdist.tpu: the TPU initialisation sequence (against a stand-in), failing fast, TPU-specific policy.
+
+No TPU can be reached from CI, so the TensorFlow calls are replaced by a
+recorder and the exact order and arguments are asserted; the TPU training
+policy (bfloat16, static shapes, high steps_per_execution) runs for real on the
+CPU through a backend that reports itself as a TPU.
+"""
+
+import json
+import os
+import time
+
+import pytest
+import tensorflow as tf
+
+from tests.conftest import free_port, run_train
+from tfdist import data, precision, strategies, tpu, train
+from tfdist.backend import Backend
+from tfdist.config import TrainConfig
+from tfdist.errors import UserError
+
+
+class RecordingCalls(tpu.TPUCalls):
+    def __init__(self, fail_at=None, hang_at=None):
+        self.calls = []
+        self.fail_at, self.hang_at = fail_at, hang_at
+        self.resolver_object = object()
+        self.strategy_object = object()
+
+    def _step(self, name, *args):
+        self.calls.append((name, *args))
+        if name == self.hang_at:
+            time.sleep(30)
+        if name == self.fail_at:
+            raise ValueError(f"Could not lookup TPU metadata for {name}")
+
+    def resolver(self, tpu_name, zone, project):
+        self._step("resolver", tpu_name, zone, project)
+        return self.resolver_object
+
+    def connect_to_cluster(self, resolver):
+        self._step("connect_to_cluster", resolver)
+
+    def initialize_tpu_system(self, resolver):
+        self._step("initialize_tpu_system", resolver)
+
+    def tpu_strategy(self, resolver):
+        self._step("tpu_strategy", resolver)
+        return self.strategy_object
+
+
+@pytest.fixture
+def fake_tpu_vm(tmp_path):
+    """A sysfs tree with one Google PCI device, as on a TPU VM."""
+    device = tmp_path / "0000:00:04.0"
+    device.mkdir()
+    (device / "vendor").write_text("0x1ae0\n")
+    other = tmp_path / "0000:00:01.0"
+    other.mkdir()
+    (other / "vendor").write_text("0x8086\n")
+    return str(tmp_path)
+
+
+def test_tpu_node_sequence_is_resolve_connect_initialise_strategy():
+    calls = RecordingCalls()
+    strategy = tpu.connect("my-tpu", zone="us-central1-b", project="my-project", calls=calls)
+    r = calls.resolver_object
+    assert calls.calls == [
+        ("resolver", "my-tpu", "us-central1-b", "my-project"),
+        ("connect_to_cluster", r),
+        ("initialize_tpu_system", r),
+        ("tpu_strategy", r),
+    ]
+    assert strategy is calls.strategy_object
+
+
+def test_tpu_vm_sequence_skips_connect(fake_tpu_vm):
+    calls = RecordingCalls()
+    tpu.connect("local", calls=calls, sysfs=fake_tpu_vm)
+    r = calls.resolver_object
+    assert calls.calls == [("resolver", "local", None, None), ("initialize_tpu_system", r), ("tpu_strategy", r)]
+
+
+def test_local_without_tpu_chips_fails_before_any_tensorflow_call(tmp_path):
+    calls = RecordingCalls()
+    with pytest.raises(UserError, match=r"No TPU was found on this machine: --tpu=local looks for the TPU chips"):
+        tpu.connect("local", calls=calls, sysfs=str(tmp_path))
+    assert calls.calls == []
+
+
+def test_misspelled_tpu_name_is_a_clear_error():
+    calls = RecordingCalls(fail_at="resolver")
+    with pytest.raises(UserError) as e:
+        tpu.connect("my-tpuu", calls=calls)
+    assert "No TPU was found at --tpu=my-tpuu: resolving the TPU failed (ValueError" in str(e.value)
+    assert "--tpu=grpc://HOST:8470" in str(e.value)
+    assert [c[0] for c in calls.calls] == ["resolver"]
+
+
+def test_hanging_initialisation_times_out():
+    calls = RecordingCalls(hang_at="initialize_tpu_system")
+    start = time.time()
+    with pytest.raises(UserError, match="initialising the TPU system did not finish within 1 s"):
+        tpu.connect("my-tpu", calls=calls, timeout_s=1.0)
+    assert time.time() - start < 5
+    assert [c[0] for c in calls.calls] == ["resolver", "connect_to_cluster", "initialize_tpu_system"]
+
+
+def test_unreachable_grpc_address_fails_at_once():
+    calls = RecordingCalls()
+    address = f"grpc://127.0.0.1:{free_port()}"
+    with pytest.raises(UserError, match=f"No TPU was found at --tpu={address}: nothing answered"):
+        tpu.connect(address, calls=calls)
+    assert calls.calls == []
+
+
+def test_detection(fake_tpu_vm, tmp_path):
+    assert tpu.local_tpu_devices(fake_tpu_vm) == ["0000:00:04.0"]
+    assert tpu.local_tpu_devices(str(tmp_path / "none")) == []
+    assert tpu.tpu_detected({"TPU_NAME": "my-tpu"})
+
+
+def test_precision_on_tpu():
+    assert precision.choose("auto", device_kind="tpu").policy == "mixed_bfloat16"
+    with pytest.raises(UserError, match="mixed_float16 cannot run on TPUs"):
+        strategies.build_backend(TrainConfig(strategy="tpu", tpu="local", precision="mixed_float16"))
+
+
+def test_tpu_policy_trains_with_static_shapes_on_cpu(tmp_path):
+    """The loop as it runs on a TPU (bfloat16, 100 steps per execution, static
+    batches everywhere), on the CPU through a backend that reports a TPU."""
+    full = data.load_dataset("mnist")
+    digits = data.Digits("subset", full.train_images[:4096], full.train_labels[:4096],
+                         full.eval_images[:1001], full.eval_labels[:1001])
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
+    backend = Backend("tpu", strategy, "tpu")
+    config = TrainConfig(workdir=str(tmp_path / "w"), epochs=2, global_batch_size=64)
+    metrics = train.train_and_evaluate(config, backend=backend, digits=digits)
+    assert (metrics["precision"], metrics["steps_per_execution"]) == ("mixed_bfloat16", 100)
+    assert metrics["steps"] == 2 * (4096 // 64) and metrics["eval_examples"] == 1001
+    assert metrics["eval_accuracy"] > 0.9
+
+
+def test_cli_without_a_tpu_fails_within_seconds(tmp_path):
+    start = time.time()
+    result = run_train(["--strategy=tpu", "--tpu=local", f"--workdir={tmp_path / 'w'}"], timeout=120)
+    assert time.time() - start < 60
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = [l for l in result.stderr.splitlines() if l.startswith("tfdist-train: error:")]
+    assert "No TPU was found on this machine" in line and "--tpu=local" in line
