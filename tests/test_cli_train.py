@@ -43,7 +43,9 @@ def assert_user_error(result, *fragments):
         (["--dataset=idx:/nonexistent/mnist"], ["--dataset=idx:/nonexistent/mnist: no such directory"]),
         (["--dataset=imagenet"], ["--dataset='imagenet' is not a known data source"]),
         (["--strategy=tpu", "--tpu=local", "--precision=mixed_float16"], ["mixed_float16"]),
-        (["--strategy=horovod"], ["horovod"]),
+        (["--strategy=horovod"], ["must be started by horovodrun"]),
+        (["--strategy=default", "--hvd_op=adasum"], ["Horovod options but --strategy=default"]),
+        (["--strategy=horovod", "--hvd_compression=bf16"], ["--hvd_compression='bf16' is not a valid choice"]),
         (["--strategy=parameter_server"], ["parameter_server"]),
     ],
 )

@@ -30,6 +30,10 @@ class Backend:
     cluster: ClusterInfo = LOCAL
     description: str = ""
     gpu_compute_capability: tuple[int, int] | None = None
+    # Whether every task must take part in each checkpoint save (tf.distribute
+    # multi-worker strategies: the save involves collectives). Otherwise only
+    # the chief saves.
+    all_tasks_save: bool = False
 
     # Topology ---------------------------------------------------------------
     @property

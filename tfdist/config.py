@@ -78,6 +78,10 @@ class TrainConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.hvd_compression is not None:
+            _choice("hvd_compression", self.hvd_compression, ("none", "fp16"))
+        if self.hvd_op is not None:
+            _choice("hvd_op", self.hvd_op, ("average", "adasum"))
         if self.global_batch_size is not None and self.per_replica_batch_size is not None:
             raise UserError(
                 f"--global_batch_size={self.global_batch_size} and "

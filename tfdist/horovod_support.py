@@ -1,13 +1,23 @@
-"""Optional Horovod: availability checks that never import it eagerly.
+"""Optional Horovod: availability checks, and the Horovod backend.
 
-Horovod 0.28.1 (its last release) builds against TensorFlow <= 2.18 only, and
-its Keras helpers assume Keras 2; tfdist uses only its core TensorFlow ops.
+Horovod is imported only when the backend is built. Horovod 0.28.1 (its last
+release) builds against TensorFlow <= 2.18 only, and its Keras helpers assume
+Keras 2; tfdist uses only its core TensorFlow ops (grouped all-reduce,
+broadcast), which work with Keras 3.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from typing import Any
+import os
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.backend import Backend
+from tfdist.errors import UserError
 
 INSTALL_HINT = (
     "Install it with TensorFlow 2.18 (horovod 0.28.1 does not build against TensorFlow >= 2.19): "
@@ -37,3 +47,115 @@ def report() -> dict[str, Any]:
         "mpi_built": bool(hvd.mpi_built()),
         "nccl_built": bool(hvd.nccl_built()),
     }
+
+
+LAUNCHER_ENV = ("HOROVOD_RANK", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def started_by_launcher(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether horovodrun (or mpirun) started this process."""
+    environ = os.environ if environ is None else environ
+    return any(key in environ for key in LAUNCHER_ENV)
+
+
+def import_horovod() -> Any:
+    """Imports horovod.tensorflow or raises a `UserError` that says how to install it."""
+    if not is_horovod_available():
+        raise UserError(f"--strategy=horovod needs Horovod, which is not installed. {INSTALL_HINT}")
+    try:
+        import horovod.tensorflow as hvd
+    except Exception as e:  # Built for another TensorFlow, or without TensorFlow support.
+        raise UserError(
+            f"Horovod is installed but its TensorFlow support cannot be loaded ({' '.join(str(e).split())[:300]}); "
+            f"it was built without TensorFlow or for another TensorFlow version. Reinstall it: {INSTALL_HINT}"
+        ) from None
+    return hvd
+
+
+class HorovodBackend(Backend):
+    """Horovod's core TensorFlow ops behind the surface every backend presents.
+
+    One replica per process; each rank reads its own shard through the same
+    `InputContext` mechanism as tf.distribute; gradients are all-reduced with
+    one grouped all-reduce; rank 0 is the only writer. Horovod's Keras helpers
+    (`horovod.tensorflow.keras`) assume Keras 2 and are not used.
+    """
+
+    def __init__(self, hvd: Any, *, op: str = "average", compression: str = "none", device_kind: str = "cpu"):
+        super().__init__("horovod", tf.distribute.get_strategy(), device_kind,
+                         description=f"Horovod rank {hvd.rank()} of {hvd.size()} (op {op}, compression "
+                                     f"{compression})")
+        self.hvd = hvd
+        self.op = op
+        self._hvd_op = hvd.Adasum if op == "adasum" else hvd.Sum
+        self._compression = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.hvd.size())
+
+    @property
+    def num_workers(self) -> int:
+        return int(self.hvd.size())
+
+    @property
+    def worker_index(self) -> int:
+        return int(self.hvd.rank())
+
+    @property
+    def is_chief(self) -> bool:
+        return self.hvd.rank() == 0
+
+    @property
+    def task_label(self) -> str:
+        return f"rank:{self.hvd.rank()}"
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def distribute_dataset(self, dataset_fn: Callable) -> Iterable:
+        size = int(self.hvd.size())
+        return dataset_fn(tf.distribute.InputContext(num_input_pipelines=size,
+                                                     input_pipeline_id=int(self.hvd.rank()),
+                                                     num_replicas_in_sync=size))
+
+    def run(self, fn: Callable, args: Sequence[Any]) -> Any:
+        return fn(*args)
+
+    def reduce_sum(self, value: Any) -> tf.Tensor:
+        return self.hvd.allreduce(value, op=self.hvd.Sum)
+
+    def finish_gradients(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        # Each rank's loss is divided by the global batch, so summing gives the
+        # global-batch mean gradient. Adasum combines per-rank mean gradients.
+        if self.op == "adasum":
+            grads = [g * float(self.hvd.size()) for g in grads]
+        return self.hvd.grouped_allreduce(grads, op=self._hvd_op, compression=self._compression)
+
+    def broadcast_initial_state(self, variables: Sequence[Any]) -> None:
+        self.hvd.broadcast_variables([getattr(v, "value", v) for v in variables], root_rank=0)
+
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        return [np.asarray(getattr(variable, "value", variable))]
+
+
+def build_backend(*, op: str, compression: str) -> Backend:
+    """Initialises Horovod (under horovodrun) and returns its backend."""
+    if not started_by_launcher():
+        raise UserError(
+            "--strategy=horovod runs one process per rank and must be started by horovodrun (or mpirun), "
+            "e.g. horovodrun -np 2 -H localhost:2 --gloo tfdist-train --strategy=horovod. For one process, "
+            "use --strategy=default or mirrored."
+        )
+    hvd = import_horovod()
+    hvd.init()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:  # One GPU per rank, chosen by local rank.
+        tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
+        tf.config.experimental.set_memory_growth(gpus[hvd.local_rank() % len(gpus)], True)
+    if op == "adasum" and not hvd.mpi_built():
+        raise UserError(
+            "--hvd_op=adasum needs Horovod built with MPI (its Adasum runs over MPI, with NCCL on GPUs); this "
+            "Horovod was built without MPI. Use --hvd_op=average, or rebuild Horovod with HOROVOD_WITH_MPI=1."
+        )
+    return HorovodBackend(hvd, op=op, compression=compression, device_kind="gpu" if gpus else "cpu")

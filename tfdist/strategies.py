@@ -145,9 +145,13 @@ def _device_kind() -> str:
 def _auto(config: TrainConfig) -> Backend:
     from tfdist import tpu
 
+    from tfdist import horovod_support
+
     info = cluster_lib.resolve()
     if config.tpu or tpu.tpu_detected():
         name = "tpu"
+    elif horovod_support.started_by_launcher():
+        name = "horovod"
     elif info.is_multi_worker:
         name = "parameter_server" if info.num_ps else "multi_worker_mirrored"
     elif config.num_cpu_replicas or len(_gpus()) > 1:
@@ -239,7 +243,7 @@ def _multi_worker_mirrored(config: TrainConfig) -> Backend:
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=cluster_lib.tf_cluster_resolver(info), communication_options=options,
     )
-    return Backend("multi_worker_mirrored", strategy, _device_kind(), cluster=info,
+    return Backend("multi_worker_mirrored", strategy, _device_kind(), cluster=info, all_tasks_save=True,
                    description=f"MultiWorkerMirroredStrategy, {max(1, info.num_workers)} worker(s), "
                                f"task {info.label}, all-reduce {config.all_reduce}",
                    gpu_compute_capability=gpu_compute_capability())
@@ -261,11 +265,17 @@ def _not_yet(name: str, issue: str) -> Builder:
     def builder(config: TrainConfig) -> Backend:
         raise UserError(
             f"--strategy={name} is not available in this version of tfdist yet ({issue}). "
-            f"Working strategies: default, one_device, mirrored, multi_worker_mirrored, tpu."
+            f"Working strategies: default, one_device, mirrored, multi_worker_mirrored, tpu, horovod."
         )
 
     return builder
 
 
 register("parameter_server")(_not_yet("parameter_server", "parameter-server training is being built"))
-register("horovod")(_not_yet("horovod", "the Horovod backend is being built"))
+
+
+@register("horovod")
+def _horovod(config: TrainConfig) -> Backend:
+    from tfdist import horovod_support
+
+    return horovod_support.build_backend(op=config.hvd_op or "average", compression=config.hvd_compression or "none")

@@ -158,6 +158,7 @@ class _Run:
             self.step = int(self.step_var.numpy())
             logging.info("Resuming from checkpoint %s at step %d.", self.resume_from, self.step)
         self.backend.broadcast_initial_state(self.model.variables + self.optimizer.variables)
+        logging.info("[%s] initial weights fingerprint %s", self.backend.task_label, self._fingerprint())
 
     def _compile(self) -> None:
         plan, model, optimizer, backend = self.plan, self.model, self.optimizer, self.backend
@@ -193,6 +194,9 @@ class _Run:
         def train_chunk(iterator, num_steps, stop):
             totals = tf.zeros([4], tf.float32)
             for _ in tf.range(num_steps):
+                # One step at a time: collectives of two steps in flight at once would
+                # collide (Horovod names its all-reduces by graph node).
+                tf.autograph.experimental.set_loop_options(parallel_iterations=1)
                 images, labels = next(iterator)
                 totals += backend.reduce_sum(backend.run(train_step, (images, labels, stop)))
             return totals
@@ -207,6 +211,7 @@ class _Run:
         def eval_chunk(iterator, num_steps):
             totals = tf.zeros([3], tf.float32)
             for _ in tf.range(num_steps):
+                tf.autograph.experimental.set_loop_options(parallel_iterations=1)
                 totals += backend.reduce_sum(backend.run(eval_step, next(iterator)))
             return totals
 
@@ -227,6 +232,8 @@ class _Run:
         return {"eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_examples": int(round(count))}
 
     def _save(self) -> Optional[str]:
+        if not (self.backend.is_chief or self.backend.all_tasks_save):
+            return None
         self.step_var.assign(self.step)
         path = self.manager.save(checkpoint_number=self.step)
         if self.backend.is_chief:
