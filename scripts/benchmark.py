@@ -12,6 +12,8 @@ Rows:
   fit   tfdist-train (default strategy) vs plain Keras 3 model.fit: same model, data, batch, precision.
   mwms  MultiWorkerMirroredStrategy, 2 workers over loopback (tfdist-launch) vs 1 worker, same global
         batch; plus an estimate of the all-reduce share of a 2-worker step.
+  horovod  Horovod with 2 ranks (horovodrun --gloo) vs MultiWorkerMirroredStrategy with 2 workers, same
+        global batch and TensorFlow version; run with the TF 2.18 + horovod environment's python.
 """
 
 from __future__ import annotations
@@ -103,7 +105,24 @@ def extra_mwms(args: argparse.Namespace, a: list[dict]) -> dict:
             "allreduce_share_estimate": round(max(0.0, 1 - compute / full), 3)}
 
 
-ROWS = {"fit": row_fit, "mwms": row_mwms}
+def row_horovod(args: argparse.Namespace) -> tuple[str, Callable[[], dict], str, Callable[[], dict]]:
+    """Needs the TensorFlow 2.18 + horovod environment (run this script with its python)."""
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    if not os.path.exists(horovodrun):
+        raise SystemExit(f"row horovod needs horovodrun next to {sys.executable}; run the script with the python "
+                         "of an environment with horovod (e.g. .nox/tests-tf2-18-horovod/bin/python).")
+    common = ["--global_batch_size=128", f"--epochs={args.epochs}", f"--precision={args.precision}"]
+    return (
+        "Horovod, 2 ranks (Gloo)",
+        lambda: tfdist_train(["--strategy=horovod", *common],
+                             launcher=[horovodrun, "-np", "2", "-H", "localhost:2", "--gloo"]),
+        "MultiWorkerMirroredStrategy, 2 workers",
+        lambda: tfdist_train(["--strategy=multi_worker_mirrored", *common],
+                             launcher=[*LAUNCH, "--num_workers=2", "--"]),
+    )
+
+
+ROWS = {"fit": row_fit, "mwms": row_mwms, "horovod": row_horovod}
 EXTRAS = {"mwms": extra_mwms}
 
 
@@ -126,7 +145,8 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"Comma-separated subset of: {', '.join(ROWS)}")
+    parser.add_argument("--rows", default="fit,mwms" if "horovod" not in sys.modules and not os.path.exists(
+        os.path.join(os.path.dirname(sys.executable), "horovodrun")) else ",".join(ROWS), help=f"Comma-separated subset of: {', '.join(ROWS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--precision", default="float32")
