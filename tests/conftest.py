@@ -22,6 +22,7 @@ import tensorflow as tf  # noqa: E402
 NUM_LOGICAL_CPUS = 4
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS)
+assert len(tf.config.list_logical_devices("CPU")) == NUM_LOGICAL_CPUS  # Initialises the runtime: fixed from here on.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_MNIST = os.path.join(REPO, "..", "shared", "data", "mnist")

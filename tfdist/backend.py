@@ -34,6 +34,10 @@ class Backend:
     # multi-worker strategies: the save involves collectives). Otherwise only
     # the chief saves.
     all_tasks_save: bool = False
+    # Whether input is sharded deterministically by input context (every
+    # synchronous strategy). Parameter-server workers take steps dynamically,
+    # so each reads the whole training set in its own random order instead.
+    sharded_input: bool = True
 
     # Topology ---------------------------------------------------------------
     @property
@@ -80,9 +84,36 @@ class Backend:
     def compile(self, fn: Callable) -> Callable:
         return tf.function(fn)
 
+    @property
+    def single_controller(self) -> bool:
+        """Whether one process drives the whole job (else every worker runs the loop in lockstep)."""
+        return self.num_workers == 1
+
+    # How many compiled training executions may be outstanding at once: 1 for
+    # synchronous strategies; more where workers run them asynchronously.
+    max_in_flight: int = 1
+
     def execute(self, compiled: Callable, *args: Any) -> np.ndarray:
-        """Runs a compiled function and returns its result on the host."""
+        """Runs a compiled function in this process and returns its result on the host."""
         return np.asarray(compiled(*args))
+
+    def dispatch(self, compiled: Callable, *args: Any) -> Any:
+        """Starts one training execution; `fetch` returns its result."""
+        return self.execute(compiled, *args)
+
+    def fetch(self, handle: Any) -> np.ndarray:
+        return handle
+
+    # Evaluation goes through these; backends whose workers cannot evaluate an
+    # exact split (parameter servers) evaluate in the coordinating process.
+    def distribute_eval_dataset(self, dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]) -> Iterable:
+        return self.distribute_dataset(dataset_fn)
+
+    def run_eval(self, fn: Callable, args: Sequence[Any]) -> Any:
+        return self.run(fn, args)
+
+    def reduce_eval(self, value: Any) -> tf.Tensor:
+        return self.reduce_sum(value)
 
     def broadcast_initial_state(self, variables: Sequence[Any]) -> None:
         """Makes every replica start from the same values (tf.distribute already does)."""
@@ -91,6 +122,14 @@ class Backend:
         """The values of one (Keras) variable on each local replica."""
         value = getattr(variable, "value", variable)
         return [np.asarray(v) for v in self.strategy.experimental_local_results(value)]
+
+    def serve(self) -> bool:
+        """Runs this task's server role, if it has one, until the job ends; True if it did.
+
+        Tasks that only serve (parameter servers, parameter-server workers)
+        return True after the chief has finished; training tasks return False.
+        """
+        return False
 
     def shutdown(self) -> None:
         """Releases cluster resources at the end of a run."""

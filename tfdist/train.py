@@ -16,6 +16,7 @@ yields the gradient of the mean loss over the global batch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import signal
@@ -139,14 +140,19 @@ class _Run:
         plan = self.plan
         precision.apply(self.precision, device_kind=self.backend.device_kind)
         with self.backend.scope():
+            # The step counter lives with the model (on the parameter servers under
+            # ParameterServerStrategy) and is incremented atomically by every step;
+            # the learning-rate schedule reads it, not optimizer.iterations, which
+            # under-counts under asynchronous training.
+            self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_step",
+                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.model = model_lib.build_cnn(self.config.seed)
-            optimizer = keras.optimizers.Adam(
-                batching.WarmupCosine(plan.learning_rate, plan.warmup_steps, plan.decay_steps))
+            schedule = batching.WarmupCosine(plan.learning_rate, plan.warmup_steps, plan.decay_steps)
+            optimizer = keras.optimizers.Adam(learning_rate=lambda: schedule(self.step_var))
             if self.precision.loss_scaling:
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             self.optimizer = optimizer
             self.optimizer.build(self.model.trainable_variables)
-        self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_step")
         self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step_var)
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, self.rundir.checkpoint_dir, max_to_keep=self.config.keep_checkpoints,
@@ -189,6 +195,7 @@ class _Run:
                     loss_sum += l
                     correct += c
             optimizer.apply(backend.finish_gradients(grads), variables)
+            self.step_var.assign_add(1)
             return tf.stack([loss_sum, correct, tf.cast(tf.size(labels), tf.float32), stop])
 
         def train_chunk(iterator, num_steps, stop):
@@ -212,7 +219,7 @@ class _Run:
             totals = tf.zeros([3], tf.float32)
             for _ in tf.range(num_steps):
                 tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-                totals += backend.reduce_sum(backend.run(eval_step, next(iterator)))
+                totals += backend.reduce_eval(backend.run_eval(eval_step, next(iterator)))
             return totals
 
         self.train_chunk = backend.compile(train_chunk)
@@ -221,7 +228,7 @@ class _Run:
     # Running --------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         plan = self.plan
-        dataset = self.backend.distribute_dataset(data.eval_dataset_fn(
+        dataset = self.backend.distribute_eval_dataset(data.eval_dataset_fn(
             self.digits.eval_images, self.digits.eval_labels,
             per_replica_batch=plan.eval_per_replica_batch, steps=plan.eval_steps,
         ))
@@ -253,7 +260,8 @@ class _Run:
         writer = self.rundir.summary_writer()
         train_ds = backend.distribute_dataset(data.train_dataset_fn(
             self.digits.train_images, self.digits.train_labels, per_replica_batch=plan.per_replica_batch,
-            steps_per_epoch=plan.steps_per_epoch, seed=config.seed, start_step=self.step,
+            steps_per_epoch=plan.steps_per_epoch, seed=config.seed if backend.sharded_input else None,
+            start_step=self.step if backend.sharded_input else 0,
         ))
         iterator = iter(train_ds)
         progress = _Progress(backend.is_chief, plan.steps_per_epoch)
@@ -271,33 +279,51 @@ class _Run:
                 boundary = min(plan.total_steps, epoch_end)
                 if every:
                     boundary = min(boundary, (self.step // every + 1) * every)
-                num = min(plan.steps_per_execution, boundary - self.step)
+                # Start up to max_in_flight executions (1 for synchronous strategies),
+                # never past the boundary, then collect them in order.
                 t0 = time.perf_counter()
-                totals = backend.execute(self.train_chunk, iterator, tf.constant(num, tf.int64),
-                                         tf.constant(1.0 if stop.requested else 0.0))
+                pending: collections.deque = collections.deque()
+                dispatched = self.step
+                while dispatched < boundary and len(pending) < backend.max_in_flight:
+                    if backend.single_controller and stop.requested:
+                        break
+                    num = min(plan.steps_per_execution, boundary - dispatched)
+                    pending.append((num, backend.dispatch(self.train_chunk, iterator, tf.constant(num, tf.int64),
+                                                          tf.constant(1.0 if stop.requested else 0.0))))
+                    dispatched += num
+                segment_examples, agreed_stop = 0, False
+                while pending:
+                    num, handle = pending.popleft()
+                    totals = backend.fetch(handle)
+                    self.step += num
+                    segment_examples += num * plan.global_batch
+                    agreed_stop = agreed_stop or totals[3] > 0
+                    epoch_totals += totals
+                    loss, accuracy = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
+                    losses.append(float(loss))
+                    if not math.isfinite(loss) and not self.precision.loss_scaling:
+                        raise UserError(
+                            f"The training loss became {loss} at step {self.step}; lower --learning_rate "
+                            "(or add --warmup_epochs). No checkpoint was written for this step."
+                        )
+                    tf.summary.scalar("train/loss", loss, step=self.step)
+                    tf.summary.scalar("train/accuracy", accuracy, step=self.step)
+                    progress.update(epoch, self.step - epoch * plan.steps_per_epoch,
+                                    epoch_totals[0] / max(epoch_totals[2], 1),
+                                    epoch_totals[1] / max(epoch_totals[2], 1))
                 seconds = time.perf_counter() - t0
-                self.step += num
                 epoch_seconds[epoch] = epoch_seconds.get(epoch, 0.0) + seconds
-                loss, accuracy = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
-                losses.append(float(loss))
                 if first:
                     first = False
-                else:
-                    steady_examples += num * plan.global_batch
+                elif segment_examples:
+                    steady_examples += segment_examples
                     steady_seconds += seconds
-                epoch_totals += totals
-                if not math.isfinite(loss) and not self.precision.loss_scaling:
-                    raise UserError(
-                        f"The training loss became {loss} at step {self.step}; lower --learning_rate "
-                        "(or add --warmup_epochs). No checkpoint was written for this step."
-                    )
-                tf.summary.scalar("train/loss", loss, step=self.step)
-                tf.summary.scalar("train/accuracy", accuracy, step=self.step)
-                tf.summary.scalar("train/learning_rate", float(self.optimizer.learning_rate), step=self.step)
-                tf.summary.scalar("train/examples_per_sec", num * plan.global_batch / seconds, step=self.step)
-                progress.update(epoch, self.step - epoch * plan.steps_per_epoch,
-                                epoch_totals[0] / max(epoch_totals[2], 1), epoch_totals[1] / max(epoch_totals[2], 1))
-                if totals[3] > 0:  # Some process was asked to stop; all agree on this step.
+                if segment_examples:
+                    tf.summary.scalar("train/learning_rate", float(self.optimizer.learning_rate), step=self.step)
+                    tf.summary.scalar("train/examples_per_sec", segment_examples / seconds, step=self.step)
+                # Multi-controller jobs agree through the stop flag that travelled with
+                # the step's all-reduce; a single controller decides alone.
+                if agreed_stop or (backend.single_controller and stop.requested):
                     raise Preempted(self.step, self._save())
                 at_epoch_end = self.step == boundary and (self.step % plan.steps_per_epoch == 0 or self.step == plan.total_steps)
                 if at_epoch_end:
