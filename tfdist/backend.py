@@ -20,6 +20,13 @@ import tensorflow as tf
 from tfdist.cluster import LOCAL, ClusterInfo
 
 
+def tf_variable(variable: Any) -> Any:
+    """The TensorFlow variable behind a Keras 3 variable (a tf.Variable is returned as is)."""
+    if isinstance(variable, tf.Variable):
+        return variable
+    return getattr(variable, "value", variable)
+
+
 @dataclasses.dataclass
 class Backend:
     """A tf.distribute strategy as the training loop sees it."""
@@ -120,8 +127,10 @@ class Backend:
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         """The values of one (Keras) variable on each local replica."""
-        value = getattr(variable, "value", variable)
-        return [np.asarray(v) for v in self.strategy.experimental_local_results(value)]
+        return [np.asarray(v) for v in self.strategy.experimental_local_results(tf_variable(variable))]
+
+    def report_placement(self, variables: Sequence[Any]) -> None:
+        """Logs where the model's variables live, where that is worth knowing."""
 
     def serve(self) -> bool:
         """Runs this task's server role, if it has one, until the job ends; True if it did.

@@ -50,6 +50,7 @@ class TrainConfig:
     gcp_project: Optional[str] = None
     hvd_compression: Optional[str] = None
     hvd_op: Optional[str] = None
+    ps_shards: Optional[int] = None
     # Data.
     dataset: str = "mnist"
     data_dir: Optional[str] = None

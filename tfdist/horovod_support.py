@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfdist.backend import Backend
+from tfdist.backend import Backend, tf_variable
 from tfdist.errors import UserError
 
 INSTALL_HINT = (
@@ -133,10 +133,10 @@ class HorovodBackend(Backend):
         return self.hvd.grouped_allreduce(grads, op=self._hvd_op, compression=self._compression)
 
     def broadcast_initial_state(self, variables: Sequence[Any]) -> None:
-        self.hvd.broadcast_variables([getattr(v, "value", v) for v in variables], root_rank=0)
+        self.hvd.broadcast_variables([tf_variable(v) for v in variables], root_rank=0)
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
-        return [np.asarray(getattr(variable, "value", variable))]
+        return [np.asarray(tf_variable(variable))]
 
 
 def build_backend(*, op: str, compression: str) -> Backend:

@@ -150,6 +150,8 @@ class Launcher:
         *,
         host: str = "127.0.0.1",
         grace_s: float = 15.0,
+        restart_workers: int = 0,
+        ps_loss_timeout_s: float = 120.0,
         tail_lines: int = 20,
         out: TextIO = sys.stdout,
         env: Optional[dict[str, str]] = None,
@@ -160,6 +162,10 @@ class Launcher:
         self.layout = layout.validate()
         self.host = host
         self.grace_s = grace_s
+        self.restart_workers = restart_workers
+        self.ps_loss_timeout_s = ps_loss_timeout_s
+        self.restarts: dict[str, int] = {}
+        self.cluster: dict[str, list[str]] = {}
         self.tail_lines = tail_lines
         self.out = out
         self.env = dict(os.environ if env is None else env)
@@ -180,19 +186,27 @@ class Launcher:
     def start(self) -> None:
         roles = self.layout.roles()
         ports = free_ports(len(roles), self.host)
-        cluster = cluster_spec(self.layout, [f"{self.host}:{p}" for p in ports])
-        self._print(f"tfdist-launch: cluster {json.dumps(cluster)}\n")
+        self.cluster = cluster_spec(self.layout, [f"{self.host}:{p}" for p in ports])
+        self._print(f"tfdist-launch: cluster {json.dumps(self.cluster)}\n")
         for role, index in roles:
-            env = dict(self.env, TF_CONFIG=tf_config(cluster, role, index), PYTHONUNBUFFERED="1")
-            process = subprocess.Popen(
-                self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                bufsize=1, start_new_session=True, errors="replace",
-            )
-            tail: collections.deque = collections.deque(maxlen=self.tail_lines)
-            reader = threading.Thread(target=self._pump, args=(f"{role}:{index}", process.stdout, tail), daemon=True)
-            reader.start()
-            self.tasks.append(_Task(role, index, process, tail, reader))
-            self._print(f"tfdist-launch: started {role}:{index} (pid {process.pid}) at {cluster[role][index]}\n")
+            self.tasks.append(self._spawn(role, index))
+
+    def _spawn(self, role: str, index: int) -> _Task:
+        env = dict(self.env, TF_CONFIG=tf_config(self.cluster, role, index), PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(
+            self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            bufsize=1, start_new_session=True, errors="replace",
+        )
+        tail: collections.deque = collections.deque(maxlen=self.tail_lines)
+        reader = threading.Thread(target=self._pump, args=(f"{role}:{index}", process.stdout, tail), daemon=True)
+        reader.start()
+        self._print(f"tfdist-launch: started {role}:{index} (pid {process.pid}) at {self.cluster[role][index]}\n")
+        return _Task(role, index, process, tail, reader)
+
+    @property
+    def _chief_led(self) -> bool:
+        """Parameter-server jobs: the chief drives; workers and servers follow it."""
+        return self.layout.chief
 
     def _signal_all(self, sig: int, tasks: Optional[list[_Task]] = None) -> None:
         for task in tasks if tasks is not None else self.tasks:
@@ -202,12 +216,15 @@ class Launcher:
                 except ProcessLookupError:
                     pass
 
+    def _wait_all(self, seconds: float) -> None:
+        deadline = time.time() + seconds
+        while time.time() < deadline and any(t.process.poll() is None for t in self.tasks):
+            time.sleep(0.05)
+
     def _stop_all(self) -> None:
         """SIGTERM everything still running; SIGKILL what is left after the grace period."""
         self._signal_all(signal.SIGTERM)
-        deadline = time.time() + self.grace_s
-        while time.time() < deadline and any(t.process.poll() is None for t in self.tasks):
-            time.sleep(0.05)
+        self._wait_all(self.grace_s)
         self._signal_all(signal.SIGKILL)
         for task in self.tasks:
             task.process.wait()
@@ -218,35 +235,99 @@ class Launcher:
             self._signal_all(signal.SIGKILL)
             return
         self._signal = signum
-        self._print(f"tfdist-launch: got {signal.Signals(signum).name}; forwarding SIGTERM to every task "
-                    "(they checkpoint and exit).\n")
-        self._signal_all(signal.SIGTERM)
+        # In a parameter-server job only the chief checkpoints; the others must stay
+        # up while it drains its in-flight steps, and leave when it is gone.
+        targets = [t for t in self.tasks if t.role == "chief"] if self._chief_led else self.tasks
+        self._print(f"tfdist-launch: got {signal.Signals(signum).name}; forwarding SIGTERM to "
+                    f"{', '.join(t.label for t in targets)} (checkpoint, then exit).\n")
+        self._signal_all(signal.SIGTERM, targets)
+
+    def _report(self, task: _Task, verdict: str) -> int:
+        code = task.process.returncode
+        tail = "\n".join(f"  {line}" for line in task.tail)
+        self._print(f"tfdist-launch: {task.label} {describe_status(code)}{verdict}. Its last lines:\n{tail}\n")
+        return 128 - code if code < 0 else code
 
     def wait(self) -> int:
         """Supervises until every task has exited; returns the launcher's exit status."""
+        return self._wait_chief_led() if self._chief_led else self._wait_all_equal()
+
+    def _first_failure(self) -> Optional[_Task]:
+        """The failed task that most likely caused the others to fail.
+
+        A task killed by a signal is the cause rather than the peers that then
+        lost contact with it; otherwise the first in task order.
+        """
+        failed = [t for t in self.tasks if t.process.returncode not in (None, 0)]
+        return min(failed, key=lambda t: t.process.returncode >= 0, default=None)
+
+    def _wait_all_equal(self) -> int:
+        """Synchronous jobs: any task failing fails the job; all stop together."""
         failed: Optional[_Task] = None
-        while True:
-            running = [t for t in self.tasks if t.process.poll() is None]
-            if failed is None:
-                failed = next((t for t in self.tasks if t.process.returncode not in (None, 0)), None)
-                if failed is not None and self._signal is None:
+        while any(t.process.poll() is None for t in self.tasks):
+            failed = self._first_failure()
+            if failed is not None:
+                if self._signal is None:
                     self._print(f"tfdist-launch: {failed.label} {describe_status(failed.process.returncode)}; "
                                 "stopping the other tasks.\n")
-                    self._stop_all()
-                    running = []
-            if not running:
+                self._stop_all()
                 break
             time.sleep(0.1)
         for task in self.tasks:
+            task.process.wait()
             task.reader.join(timeout=5)
+        failed = failed or self._first_failure()
         if failed is None:
             self._print(f"tfdist-launch: all {len(self.tasks)} task(s) finished.\n")
             return 0
-        code = failed.process.returncode
-        status = 128 - code if code < 0 else code
-        tail = "\n".join(f"  {line}" for line in failed.tail)
-        self._print(f"tfdist-launch: {failed.label} {describe_status(code)}. Its last lines:\n{tail}\n")
-        return status
+        return self._report(failed, "")
+
+    def _wait_chief_led(self) -> int:
+        """Parameter-server jobs: the chief's outcome is the job's.
+
+        A worker that dies is reported (and restarted up to --restart_workers
+        times); training carries on without it. A parameter server that dies
+        should make the chief fail; if the chief is still running
+        `ps_loss_timeout_s` later, the launcher stops the job itself.
+        """
+        chief = next(t for t in self.tasks if t.role == "chief")
+        reported: set[int] = set()
+        ps_lost: Optional[tuple[_Task, float]] = None
+        while chief.process.poll() is None:
+            for i, task in enumerate(self.tasks):
+                if task is chief or task.process.poll() is None or id(task) in reported:
+                    continue
+                reported.add(id(task))
+                code = task.process.returncode
+                if task.role == "worker" and self._signal is None:
+                    restarts = self.restarts.get(task.label, 0)
+                    if restarts < self.restart_workers:
+                        self.restarts[task.label] = restarts + 1
+                        self._print(f"tfdist-launch: {task.label} {describe_status(code)}; restarting it "
+                                    f"({restarts + 1} of {self.restart_workers}).\n")
+                        task.reader.join(timeout=5)
+                        self.tasks[i] = self._spawn(task.role, task.index)
+                    else:
+                        self._print(f"tfdist-launch: {task.label} {describe_status(code)}; the chief carries on "
+                                    "with the other workers.\n")
+                elif task.role == "ps" and code != 0 and ps_lost is None:
+                    self._print(f"tfdist-launch: {task.label} {describe_status(code)}; the chief should now fail "
+                                "(a parameter server holds part of the model).\n")
+                    ps_lost = (task, time.time())
+            if ps_lost and time.time() - ps_lost[1] > self.ps_loss_timeout_s:
+                self._print(f"tfdist-launch: the chief did not stop within {self.ps_loss_timeout_s:.0f} s of losing "
+                            f"{ps_lost[0].label}; stopping the job.\n")
+                self._stop_all()
+                return self._report(ps_lost[0], " (the job was stopped)")
+            time.sleep(0.1)
+        # The chief has finished: the others leave on their own within seconds.
+        self._wait_all(self.grace_s)
+        self._stop_all()
+        if chief.process.returncode != 0:
+            return self._report(chief, "")
+        lost = [t.label for t in self.tasks if t.role == "worker" and t.process.returncode not in (0, None)]
+        self._print(f"tfdist-launch: the chief finished; job done{' (lost along the way: ' + ', '.join(lost) + ')' if lost else ''}.\n")
+        return 0
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -70,6 +70,8 @@ def _check_options(config: TrainConfig) -> None:
                 f"--all_reduce={config.all_reduce!r} is not valid with --strategy={strategy}; "
                 f"use one of: {', '.join(choices)}."
             )
+    if config.ps_shards is not None and strategy not in ("parameter_server", "auto"):
+        raise UserError(f"--ps_shards applies to --strategy=parameter_server, not --strategy={strategy}.")
     if config.num_cpu_replicas is not None and strategy not in ("mirrored", "auto"):
         raise UserError(
             f"--num_cpu_replicas applies to --strategy=mirrored, not --strategy={strategy}."
@@ -249,6 +251,13 @@ def _multi_worker_mirrored(config: TrainConfig) -> Backend:
                    gpu_compute_capability=gpu_compute_capability())
 
 
+@register("parameter_server")
+def _parameter_server(config: TrainConfig) -> Backend:
+    from tfdist import parameter_server
+
+    return parameter_server.build(cluster_lib.resolve(), ps_shards=config.ps_shards)
+
+
 @register("tpu")
 def _tpu(config: TrainConfig) -> Backend:
     import os
@@ -259,19 +268,6 @@ def _tpu(config: TrainConfig) -> Backend:
     strategy = tpu.connect(address, zone=config.tpu_zone, project=config.gcp_project)
     return Backend("tpu", strategy, "tpu",
                    description=f"TPUStrategy on --tpu={address} ({strategy.num_replicas_in_sync} cores)")
-
-
-def _not_yet(name: str, issue: str) -> Builder:
-    def builder(config: TrainConfig) -> Backend:
-        raise UserError(
-            f"--strategy={name} is not available in this version of tfdist yet ({issue}). "
-            f"Working strategies: default, one_device, mirrored, multi_worker_mirrored, tpu, horovod."
-        )
-
-    return builder
-
-
-register("parameter_server")(_not_yet("parameter_server", "parameter-server training is being built"))
 
 
 @register("horovod")

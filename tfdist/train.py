@@ -111,6 +111,8 @@ def train_and_evaluate(
     start = time.time()
     backend = backend or strategies.build_backend(config)
     try:
+        if backend.serve():  # A task that only serves (parameter-server jobs) is done here.
+            return {"task": backend.task_label, "served": True}
         return _Run(config, backend, digits).run(start)
     finally:
         backend.shutdown()
@@ -153,6 +155,7 @@ class _Run:
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             self.optimizer = optimizer
             self.optimizer.build(self.model.trainable_variables)
+        self.backend.report_placement(self.model.variables + self.optimizer.variables + [self.step_var])
         self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step_var)
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, self.rundir.checkpoint_dir, max_to_keep=self.config.keep_checkpoints,
@@ -241,6 +244,8 @@ class _Run:
     def _save(self) -> Optional[str]:
         if not (self.backend.is_chief or self.backend.all_tasks_save):
             return None
+        # What the steps themselves counted, before the exact host count is stored.
+        self.device_step_count = int(self.step_var.numpy())
         self.step_var.assign(self.step)
         path = self.manager.save(checkpoint_number=self.step)
         if self.backend.is_chief:
@@ -361,6 +366,7 @@ class _Run:
             "steps_per_execution": plan.steps_per_execution,
             "epochs": config.epochs,
             "resumed_from_step": resumed_from,
+            "step_counter": getattr(self, "device_step_count", None),
             **eval_metrics,
             "first_train_loss": losses[0] if losses else None,
             "last_train_loss": losses[-1] if losses else None,

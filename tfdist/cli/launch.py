@@ -38,6 +38,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="isolated (default): run the tasks in a private network namespace, so their ports "
                              "are reachable only from this job; host: use this machine's network (needed when "
                              "tasks must reach the internet, e.g. tfds --download).")
+    parser.add_argument("--restart_workers", type=int, default=0,
+                        help="Parameter-server jobs: restart a worker that dies up to N times (it rejoins).")
     parser.add_argument("--grace_s", type=float, default=15.0,
                         help="Seconds the other tasks get to exit after one fails, before SIGKILL.")
     return parser.parse_args(own), command
@@ -46,6 +48,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str]) -> int:
     args, command = parse_args(argv)
     layout = ClusterLayout(args.num_workers, args.num_ps, chief=args.num_ps > 0).validate()
+    if args.restart_workers < 0:
+        raise UserError(f"--restart_workers={args.restart_workers} must be 0 or more.")
     if args.print_tf_config:
         roles = layout.roles()
         hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] or \
@@ -71,7 +75,9 @@ def main(argv: list[str]) -> int:
                   "this machine's network, where TensorFlow's servers listen on all interfaces for the job's "
                   "ports. Run on a trusted network or behind a firewall (--network=host silences this).",
                   file=sys.stderr, flush=True)
-    return Launcher(command, layout, grace_s=args.grace_s).run()
+    if args.num_ps == 0 and any(arg in ("--strategy=parameter_server", "parameter_server") for arg in command):
+        raise UserError("--strategy=parameter_server needs parameter servers: give --num_ps=1 or more.")
+    return Launcher(command, layout, grace_s=args.grace_s, restart_workers=args.restart_workers).run()
 
 
 def run() -> None:

@@ -37,6 +37,8 @@ flags.DEFINE_string("tpu_zone", None, "GCE zone of the TPU (--strategy=tpu).")
 flags.DEFINE_string("gcp_project", None, "GCP project of the TPU (--strategy=tpu).")
 flags.DEFINE_string("hvd_compression", None, "Horovod gradient compression: none|fp16.")
 flags.DEFINE_string("hvd_op", None, "Horovod reduction: average|adasum.")
+flags.DEFINE_integer("ps_shards", None, "Parameter servers each large variable is split across "
+                     "(--strategy=parameter_server; default: whole variables, round-robin).")
 # Data.
 flags.DEFINE_string("dataset", _D.dataset, "mnist (bundled) | synthetic | idx:DIR | tfds:NAME.")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (tfds:NAME).")
@@ -89,6 +91,9 @@ def main(argv: list[str]) -> int:
         common.fail("tfdist-train", f"{describe_lost_peer(e)} A worker or parameter server probably died or "
                     "became unreachable; its own log says why. "
                     "Relaunch with the same --workdir to resume from the last checkpoint.", 1)
+    if metrics.get("served"):
+        print(f"[{metrics['task']}] served until the chief finished", flush=True)
+        return 0
     print(
         f"[{metrics['task']}] done: steps={metrics['steps']} eval_accuracy={metrics['eval_accuracy']:.4f} "
         f"workdir={metrics['workdir']} weights_fingerprint={metrics['weights_fingerprint']}",

@@ -1,0 +1,133 @@
+"""tfdist.parameter_server: Keras 3 training under ParameterServerStrategy, for real.
+
+Chief, workers and parameter servers are real TensorFlow processes on loopback
+ports started by tfdist-launch; failures (a worker or the parameter server
+killed, SIGTERM to the launcher) are provoked for real.
+"""
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.conftest import run_module
+from tests.test_launch import Job, alive
+from tfdist import cluster, parameter_server
+from tfdist.errors import UserError
+
+
+def info(value):
+    return cluster.parse_tf_config(json.dumps(value))
+
+
+FULL = {"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4", "h:5"]}
+
+
+@pytest.mark.parametrize("spec, shards, expected", [
+    ({"worker": ["h:2"], "ps": ["h:4"]}, None, "needs chief, worker and ps tasks, but TF_CONFIG has no chief"),
+    ({"chief": ["h:1"], "worker": ["h:2"]}, None, "has no ps (it has chief, worker). With tfdist-launch give --num_ps"),
+    (FULL, 3, "--ps_shards=3 but the cluster has 2 ps task(s); use 1 to 2"),
+    (FULL, 2, "Keras 3 variables cannot be partitioned across parameter servers"),
+])
+def test_cluster_checks(spec, shards, expected):
+    task = {"type": "worker", "index": 0}
+    with pytest.raises(UserError) as e:
+        parameter_server.check_cluster(info({"cluster": spec, "task": task}), ps_shards=shards)
+    assert expected in str(e.value)
+
+
+def test_without_a_cluster():
+    with pytest.raises(UserError, match="needs a cluster with a chief, workers and ps tasks"):
+        parameter_server.check_cluster(cluster.LOCAL, ps_shards=None)
+
+
+def test_launcher_refuses_parameter_server_without_ps():
+    result = run_module("tfdist.cli.launch", ["--num_workers=2", "--", "tfdist-train", "--strategy=parameter_server"],
+                        timeout=60)
+    assert result.returncode == 2
+    assert "tfdist-launch: error: --strategy=parameter_server needs parameter servers: give --num_ps=1" in result.stderr
+
+
+def ps_job(tmp_path, *args, num_ps=1, launch_args=()):
+    return Job(tmp_path, ["--strategy=parameter_server", f"--workdir={tmp_path / 'w'}", *args],
+               launch_args=[f"--num_ps={num_ps}", *launch_args])
+
+
+def metrics(tmp_path):
+    return json.loads((tmp_path / "w" / "metrics.json").read_text())
+
+
+def test_two_workers_one_ps_train_and_every_task_exits_cleanly(tmp_path):
+    job = ps_job(tmp_path)
+    assert job.wait() == 0, job.output[-4000:]
+    m = metrics(tmp_path)
+    assert (m["strategy"], m["num_workers"], m["steps"]) == ("parameter_server", 2, 310)
+    assert m["step_counter"] == 310  # What the steps counted equals what was scheduled and finished.
+    assert m["eval_accuracy"] >= 0.97 and m["eval_examples"] == 2000
+    for task in ("worker:0", "worker:1", "ps:0"):
+        assert f"[{task}] [{task}] served until the chief finished" in job.output
+    assert "tfdist-launch: the chief finished; job done." in job.output
+
+
+def test_variables_spread_over_two_parameter_servers(tmp_path):
+    job = ps_job(tmp_path, "--epochs=1", num_ps=2)
+    assert job.wait() == 0, job.output[-4000:]
+    match = re.search(r"Variables per parameter server: /job:ps/replica:0/task:0: (\d+), "
+                      r"/job:ps/replica:0/task:1: (\d+)", job.output)
+    assert match and int(match.group(1)) > 0 and int(match.group(2)) > 0, job.output[-3000:]
+
+
+SLOW = ["--steps_per_execution=2", "--checkpoint_every_steps=20"]
+
+
+def test_killed_worker_does_not_stop_training(tmp_path):
+    job = ps_job(tmp_path, *SLOW)
+    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+    os.kill(job.pids()["worker:1"], signal.SIGKILL)
+    assert job.wait() == 0, job.output[-4000:]
+    assert "tfdist-launch: worker:1 was killed by SIGKILL; the chief carries on with the other workers." in job.output
+    m = metrics(tmp_path)
+    assert m["steps"] == 310 and m["eval_accuracy"] >= 0.97
+
+
+def test_restarted_worker_rejoins(tmp_path):
+    job = ps_job(tmp_path, *SLOW, launch_args=["--restart_workers=1"])
+    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+    os.kill(job.pids()["worker:0"], signal.SIGKILL)
+    assert job.wait() == 0, job.output[-4000:]
+    assert "worker:0 was killed by SIGKILL; restarting it (1 of 1)" in job.output
+    assert len(re.findall(r"started worker:0 \(pid", job.output)) == 2
+    assert "[worker:0] [worker:0] served until the chief finished" in job.output
+    assert metrics(tmp_path)["steps"] == 310
+
+
+def test_lost_parameter_server_fails_the_job_then_relaunch_resumes(tmp_path):
+    job = ps_job(tmp_path, *SLOW)
+    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+    pids = job.pids()
+    os.kill(pids["ps:0"], signal.SIGKILL)
+    killed = time.time()
+    code = job.wait(timeout=200)
+    assert code != 0 and time.time() - killed < 120, job.output[-4000:]
+    assert re.search(r"\[chief:0\] tfdist-train: error: lost contact with task /job:ps/replica:0/task:0", job.output)
+    assert not any(alive(pid) for pid in pids.values())
+    step = int(re.search(r'model_checkpoint_path: "ckpt-(\d+)"',
+                         (tmp_path / "w" / "checkpoints" / "checkpoint").read_text()).group(1))
+    again = ps_job(tmp_path, *SLOW)
+    assert again.wait() == 0, again.output[-4000:]
+    assert f"Resuming from checkpoint" in again.output and f"at step {step}." in again.output
+    m = metrics(tmp_path)
+    assert (m["resumed_from_step"], m["steps"]) == (step, 310) and m["eval_accuracy"] >= 0.97
+
+
+def test_sigterm_checkpoints_on_the_chief(tmp_path):
+    job = ps_job(tmp_path, *SLOW)
+    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+    job.proc.send_signal(signal.SIGTERM)
+    code = job.wait(timeout=120)
+    assert code == 143, job.output[-4000:]
+    match = re.search(r"stopped by a signal at step (\d+); checkpoint \S+ckpt-(\d+) was saved", job.output)
+    assert match and match.group(1) == match.group(2), job.output[-4000:]

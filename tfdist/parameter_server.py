@@ -1,0 +1,172 @@
+"""Parameter-server training with Keras 3, through tf.distribute's ClusterCoordinator.
+
+Keras 3's `model.fit` has no ParameterServerStrategy path, so tfdist drives it
+itself: the chief is the coordinator and runs tfdist's training loop, whose
+compiled multi-step function is *scheduled* onto the workers (several in
+flight at once, asynchronously); the model, optimizer and step-counter
+variables live on the parameter servers, placed round-robin across them.
+Workers and parameter servers run a TensorFlow server and serve until the
+chief has finished, then exit 0.
+
+Evaluation runs inline on the chief (every held-out example exactly once;
+scheduling onto workers cannot guarantee that). Steps are counted on the chief
+as scheduled functions finish, which is exact; the ClusterCoordinator
+re-schedules a function whose worker died, so training carries on when a
+worker is lost, and a restarted worker rejoins. A lost parameter server fails
+the job with an error naming it; relaunching resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfdist.backend import Backend, tf_variable
+from tfdist.cluster import ClusterInfo
+from tfdist.errors import UserError
+
+CHIEF_WAIT_S = 300.0
+
+
+def check_cluster(info: ClusterInfo, *, ps_shards: int | None) -> None:
+    if info.source == "local" or not info.is_multi_worker:
+        raise UserError(
+            "--strategy=parameter_server needs a cluster with a chief, workers and ps tasks in TF_CONFIG, e.g. "
+            "tfdist-launch --num_workers=2 --num_ps=1 -- tfdist-train --strategy=parameter_server."
+        )
+    missing = [role for role in ("chief", "worker", "ps") if role not in info.cluster]
+    if missing:
+        raise UserError(
+            f"--strategy=parameter_server needs chief, worker and ps tasks, but TF_CONFIG has no "
+            f"{' and no '.join(missing)} (it has {', '.join(sorted(info.cluster))}). With tfdist-launch give "
+            "--num_ps=1 or more."
+        )
+    if info.task_type == "evaluator":
+        raise UserError("tfdist evaluates inline on the chief; remove the evaluator task from TF_CONFIG.")
+    if ps_shards is not None and not 1 <= ps_shards <= info.num_ps:
+        raise UserError(
+            f"--ps_shards={ps_shards} but the cluster has {info.num_ps} ps task(s); use 1 to {info.num_ps}."
+        )
+    if ps_shards is not None and ps_shards > 1:
+        raise UserError(
+            f"--ps_shards={ps_shards}: Keras 3 variables cannot be partitioned across parameter servers "
+            "(TensorFlow's ShardedVariable has no handle, which Keras 3's TensorFlow variables need). tfdist "
+            f"places whole variables round-robin across the {info.num_ps} ps tasks instead; use --ps_shards=1 "
+            "or leave it unset."
+        )
+
+
+def _server_config(info: ClusterInfo) -> tf.compat.v1.ConfigProto:
+    # With few cores, a worker whose inter-op pool is smaller than the number
+    # of concurrent remote calls deadlocks; give it one thread more than workers.
+    return tf.compat.v1.ConfigProto(inter_op_parallelism_threads=len(info.cluster.get("worker", ())) + 2)
+
+
+def _reachable(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+class ServerTask(Backend):
+    """A worker or ps task: serves until the chief has come and gone."""
+
+    def __init__(self, info: ClusterInfo):
+        super().__init__("parameter_server", tf.distribute.get_strategy(), "cpu", cluster=info,
+                         description=f"{info.label} serving for the chief at {info.cluster['chief'][0]}")
+
+    @property
+    def is_chief(self) -> bool:
+        return False
+
+    def serve(self) -> bool:
+        info = self.cluster
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec({k: list(v) for k, v in info.cluster.items()}), job_name=info.task_type,
+            task_index=info.task_index, protocol="grpc", config=_server_config(info), start=True,
+        )
+        chief = info.cluster["chief"][0]
+        logging.info("[%s] serving at %s until the chief (%s) finishes.", info.label, server.target, chief)
+        deadline = time.time() + CHIEF_WAIT_S
+        while not _reachable(chief):  # The chief starts after us, or is restarting.
+            if time.time() > deadline:
+                raise UserError(f"The chief at {chief} did not come up within {CHIEF_WAIT_S:.0f} s.")
+            time.sleep(1.0)
+        while _reachable(chief):
+            time.sleep(1.0)
+        logging.info("[%s] the chief has finished; stopping.", info.label)
+        return True
+
+
+class ParameterServerBackend(Backend):
+    """The chief of a parameter-server job: coordinator and single controller."""
+
+    sharded_input = False
+    all_tasks_save = False
+
+    def __init__(self, strategy: Any, info: ClusterInfo):
+        super().__init__("parameter_server", strategy, "cpu", cluster=info,
+                         description=f"ParameterServerStrategy: chief, {len(info.cluster['worker'])} worker(s), "
+                                     f"{info.num_ps} ps task(s)")
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        self.max_in_flight = 4 * len(info.cluster["worker"])
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.cluster.cluster["worker"])
+
+    @property
+    def single_controller(self) -> bool:
+        return True
+
+    def distribute_dataset(self, dataset_fn: Callable) -> Iterable:
+        strategy = self.strategy
+        return self.coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn))
+
+    def dispatch(self, compiled: Callable, *args: Any) -> Any:
+        return self.coordinator.schedule(compiled, args=args)
+
+    def fetch(self, handle: Any) -> np.ndarray:
+        return np.asarray(handle.fetch())
+
+    def distribute_eval_dataset(self, dataset_fn: Callable) -> Iterable:
+        return dataset_fn(tf.distribute.InputContext())
+
+    def run_eval(self, fn: Callable, args: Sequence[Any]) -> Any:
+        return fn(*args)
+
+    def reduce_eval(self, value: Any) -> tf.Tensor:
+        return value
+
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        return [np.asarray(tf_variable(variable))]
+
+    def report_placement(self, variables: Sequence[Any]) -> None:
+        counts: dict[str, int] = {}
+        for variable in variables:
+            value = tf_variable(variable)
+            for part in getattr(value, "variables", [value]):  # A ShardedVariable has several.
+                task = part.device.split("/device:")[0]
+                counts[task] = counts.get(task, 0) + 1
+        logging.info("Variables per parameter server: %s", ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+
+
+def build(info: ClusterInfo, *, ps_shards: int | None) -> Backend:
+    check_cluster(info, ps_shards=ps_shards)
+    if info.task_type != "chief":
+        return ServerTask(info)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({k: list(v) for k, v in info.cluster.items()}), task_type="chief", task_id=0,
+        rpc_layer="grpc")
+    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    return ParameterServerBackend(strategy, info)
