@@ -12,6 +12,7 @@ Rows:
   fit   tfdist-train (default strategy) vs plain Keras 3 model.fit: same model, data, batch, precision.
   mwms  MultiWorkerMirroredStrategy, 2 workers over loopback (tfdist-launch) vs 1 worker, same global
         batch; plus an estimate of the all-reduce share of a 2-worker step.
+  ps    ParameterServerStrategy, 1 ps + 2 workers over loopback vs 1 local worker, same global batch.
   horovod  Horovod with 2 ranks (horovodrun --gloo) vs MultiWorkerMirroredStrategy with 2 workers, same
         global batch and TensorFlow version; run with the TF 2.18 + horovod environment's python.
 """
@@ -105,6 +106,17 @@ def extra_mwms(args: argparse.Namespace, a: list[dict]) -> dict:
             "allreduce_share_estimate": round(max(0.0, 1 - compute / full), 3)}
 
 
+def row_ps(args: argparse.Namespace) -> tuple[str, Callable[[], dict], str, Callable[[], dict]]:
+    common = ["--global_batch_size=128", f"--epochs={args.epochs}", f"--precision={args.precision}"]
+    return (
+        "parameter servers: 1 ps + 2 workers over loopback",
+        lambda: tfdist_train(["--strategy=parameter_server", *common],
+                             launcher=[*LAUNCH, "--num_workers=2", "--num_ps=1", "--"]),
+        "1 local worker (default strategy)",
+        lambda: tfdist_train(["--strategy=default", *common]),
+    )
+
+
 def row_horovod(args: argparse.Namespace) -> tuple[str, Callable[[], dict], str, Callable[[], dict]]:
     """Needs the TensorFlow 2.18 + horovod environment (run this script with its python)."""
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -122,7 +134,7 @@ def row_horovod(args: argparse.Namespace) -> tuple[str, Callable[[], dict], str,
     )
 
 
-ROWS = {"fit": row_fit, "mwms": row_mwms, "horovod": row_horovod}
+ROWS = {"fit": row_fit, "mwms": row_mwms, "ps": row_ps, "horovod": row_horovod}
 EXTRAS = {"mwms": extra_mwms}
 
 
@@ -145,7 +157,7 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="fit,mwms" if "horovod" not in sys.modules and not os.path.exists(
+    parser.add_argument("--rows", default="fit,mwms,ps" if "horovod" not in sys.modules and not os.path.exists(
         os.path.join(os.path.dirname(sys.executable), "horovodrun")) else ",".join(ROWS), help=f"Comma-separated subset of: {', '.join(ROWS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4)
