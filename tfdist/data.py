@@ -25,11 +25,10 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist import idx
+from tfdist.model import IMAGE_SHAPE, NUM_CLASSES
 from tfdist.errors import UserError
 
 BUNDLED_DIR = os.path.join(os.path.dirname(__file__), "data", "mnist")
-IMAGE_SHAPE = (28, 28, 1)
-NUM_CLASSES = 10
 EVAL_EVERY = 5  # In the bundled split, digit i is held out when i % 5 == 4.
 SYNTHETIC_TRAIN, SYNTHETIC_EVAL = 8192, 1024
 

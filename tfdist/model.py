@@ -1,6 +1,8 @@
 """The Keras 3 CNN that tfdist trains, and the weights fingerprint.
 
-The model takes uint8 images (rescaled inside the model, in the compute dtype
+It imports only Keras and NumPy (no TensorFlow), so the same definition can be
+checked under Keras' other backends (scripts/gpu_precision_check.py). The model
+takes uint8 images (rescaled inside the model, in the compute dtype
 of the current mixed-precision policy) and returns float32 logits: the last
 layer always computes in float32 so the softmax and the loss stay accurate
 under mixed precision.
@@ -13,7 +15,8 @@ import hashlib
 import keras
 import numpy as np
 
-from tfdist.data import IMAGE_SHAPE, NUM_CLASSES
+IMAGE_SHAPE = (28, 28, 1)
+NUM_CLASSES = 10
 
 
 def build_cnn(seed: int = 0) -> keras.Model:

@@ -189,7 +189,7 @@ class _Run:
             if k == 1:
                 grads, loss_sum, correct = forward_backward(images, labels)
             else:
-                images = tf.reshape(images, [k, micro, *data.IMAGE_SHAPE])
+                images = tf.reshape(images, [k, micro, *model_lib.IMAGE_SHAPE])
                 labels = tf.reshape(labels, [k, micro])
                 grads, loss_sum, correct = forward_backward(images[0], labels[0])
                 for i in tf.range(1, k):
