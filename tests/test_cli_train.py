@@ -46,7 +46,10 @@ def assert_user_error(result, *fragments):
         (["--strategy=horovod"], ["must be started by horovodrun"]),
         (["--strategy=default", "--hvd_op=adasum"], ["Horovod options but --strategy=default"]),
         (["--strategy=horovod", "--hvd_compression=bf16"], ["--hvd_compression='bf16' is not a valid choice"]),
-        (["--strategy=parameter_server"], ["parameter_server"]),
+        (["--strategy=parameter_server"], ["needs a cluster with a chief, workers and ps tasks"]),
+        (["--strategy=parameter_server", "--num_cpu_replicas=2"], ["--num_cpu_replicas applies to --strategy=mirrored"]),
+        (["--strategy=parameter_server", "--all_reduce=ring"], ["--all_reduce=ring has no effect with --strategy=parameter_server"]),
+        (["--strategy=mirrored", "--ps_shards=2"], ["--ps_shards applies to --strategy=parameter_server"]),
     ],
 )
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, fragments):

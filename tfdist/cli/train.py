@@ -9,7 +9,9 @@ uses, which never read FLAGS.
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 from tfdist.cli import common
 
@@ -88,8 +90,10 @@ def main(argv: list[str]) -> int:
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError,
             tf.errors.AbortedError) as e:
         # A lost peer surfaces as one of these in every surviving task: say so in one paragraph.
+        if os.environ.get("TFDIST_TRACEBACK"):
+            traceback.print_exc()
         common.fail("tfdist-train", f"{describe_lost_peer(e)} A worker or parameter server probably died or "
-                    "became unreachable; its own log says why. "
+                    "became unreachable; its own log says why (TFDIST_TRACEBACK=1 shows where this task saw it). "
                     "Relaunch with the same --workdir to resume from the last checkpoint.", 1)
     if metrics.get("served"):
         print(f"[{metrics['task']}] served until the chief finished", flush=True)
