@@ -38,7 +38,7 @@ def test_bundled_split_is_fixed_and_disjoint():
 def test_train_shards_are_disjoint_and_cover_an_epoch_on_real_digits():
     d = data.load_dataset("mnist")
     assert len(set(image_keys(d.train_images))) == d.num_train  # Keys identify digits.
-    global_batch, steps = 128, 8000 // 128
+    steps = 8000 // 128
     fn = data.train_dataset_fn(d.train_images, d.train_labels, per_replica_batch=64,
                                steps_per_epoch=steps, seed=1)
     seen = []

@@ -61,6 +61,26 @@ class Job:
     def pids(self) -> dict:
         return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", self.output)}
 
+    def kill_after_first_checkpoint(self, task: str) -> float:
+        """SIGKILLs `task` once the chief has saved a checkpoint; returns when."""
+        self.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+        os.kill(self.pids()[task], signal.SIGKILL)
+        return time.time()
+
+    def preempt_after_first_checkpoint(self) -> int:
+        """SIGTERMs the launcher after the first checkpoint; returns the step the job saved at."""
+        self.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.wait(timeout=120) == 143, self.output[-4000:]
+        match = re.search(r"stopped by a signal at step (\d+); checkpoint \S+ckpt-(\d+) was saved", self.output)
+        assert match and match.group(1) == match.group(2), self.output[-4000:]
+        return int(match.group(1))
+
+
+def latest_checkpoint_step(workdir) -> int:
+    text = (workdir / "checkpoints" / "checkpoint").read_text()
+    return int(re.search(r'model_checkpoint_path: "ckpt-(\d+)"', text).group(1))
+
 
 def alive(pid: int) -> bool:
     try:
@@ -148,16 +168,13 @@ SLOW = ["--strategy=multi_worker_mirrored", "--steps_per_execution=1", "--checkp
 def test_killed_worker_stops_the_job_and_relaunch_resumes(tmp_path):
     workdir = tmp_path / "w"
     job = Job(tmp_path, [*SLOW, f"--workdir={workdir}"], launch_args=["--grace_s=10"])
-    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+    killed_at = job.kill_after_first_checkpoint("worker:1")
     pids = job.pids()
-    os.kill(pids["worker:1"], signal.SIGKILL)
-    killed_at = time.time()
     code = job.wait(timeout=90)
     assert code != 0 and time.time() - killed_at < 60, job.output[-4000:]
     assert "tfdist-launch: worker:1 was killed by SIGKILL" in job.output
     assert not any(alive(pid) for pid in pids.values()), "a task outlived the launcher"
-    step = int(re.search(r'model_checkpoint_path: "ckpt-(\d+)"',
-                         (workdir / "checkpoints" / "checkpoint").read_text()).group(1))
+    step = latest_checkpoint_step(workdir)
     assert 0 < step < 310
     again = Job(tmp_path, [*SLOW, f"--workdir={workdir}"])
     assert again.wait() == 0, again.output[-4000:]
@@ -170,14 +187,7 @@ def test_killed_worker_stops_the_job_and_relaunch_resumes(tmp_path):
 
 def test_sigterm_to_the_launcher_checkpoints_then_resumes(tmp_path):
     workdir = tmp_path / "w"
-    job = Job(tmp_path, [*SLOW, f"--workdir={workdir}"])
-    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
-    job.proc.send_signal(signal.SIGTERM)
-    code = job.wait(timeout=120)
-    assert code == 143, job.output[-4000:]
-    match = re.search(r"stopped by a signal at step (\d+); checkpoint \S+ckpt-(\d+) was saved", job.output)
-    assert match and match.group(1) == match.group(2), job.output[-4000:]
-    step = int(match.group(1))
+    step = Job(tmp_path, [*SLOW, f"--workdir={workdir}"]).preempt_after_first_checkpoint()
     again = Job(tmp_path, [*SLOW, f"--workdir={workdir}"])
     assert again.wait() == 0, again.output[-4000:]
     metrics = json.loads((workdir / "metrics.json").read_text())

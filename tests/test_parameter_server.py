@@ -6,15 +6,13 @@ killed, SIGTERM to the launcher) are provoked for real.
 """
 
 import json
-import os
 import re
-import signal
 import time
 
 import pytest
 
 from tests.conftest import run_module
-from tests.test_launch import Job, alive
+from tests.test_launch import Job, alive, latest_checkpoint_step
 from tfdist import cluster, parameter_server
 from tfdist.errors import UserError
 
@@ -85,8 +83,7 @@ SLOW = ["--steps_per_execution=2", "--checkpoint_every_steps=20"]
 
 def test_killed_worker_does_not_stop_training(tmp_path):
     job = ps_job(tmp_path, *SLOW)
-    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
-    os.kill(job.pids()["worker:1"], signal.SIGKILL)
+    job.kill_after_first_checkpoint("worker:1")
     assert job.wait() == 0, job.output[-4000:]
     assert "tfdist-launch: worker:1 was killed by SIGKILL; the chief carries on with the other workers." in job.output
     m = metrics(tmp_path)
@@ -95,8 +92,7 @@ def test_killed_worker_does_not_stop_training(tmp_path):
 
 def test_restarted_worker_rejoins(tmp_path):
     job = ps_job(tmp_path, *SLOW, launch_args=["--restart_workers=1"])
-    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
-    os.kill(job.pids()["worker:0"], signal.SIGKILL)
+    job.kill_after_first_checkpoint("worker:0")
     assert job.wait() == 0, job.output[-4000:]
     assert "worker:0 was killed by SIGKILL; restarting it (1 of 1)" in job.output
     assert len(re.findall(r"started worker:0 \(pid", job.output)) == 2
@@ -106,28 +102,22 @@ def test_restarted_worker_rejoins(tmp_path):
 
 def test_lost_parameter_server_fails_the_job_then_relaunch_resumes(tmp_path):
     job = ps_job(tmp_path, *SLOW)
-    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
+    killed = job.kill_after_first_checkpoint("ps:0")
     pids = job.pids()
-    os.kill(pids["ps:0"], signal.SIGKILL)
-    killed = time.time()
     code = job.wait(timeout=200)
     assert code != 0 and time.time() - killed < 120, job.output[-4000:]
     assert re.search(r"\[chief:0\] tfdist-train: error: lost contact with task /job:ps/replica:0/task:0", job.output)
     assert not any(alive(pid) for pid in pids.values())
-    step = int(re.search(r'model_checkpoint_path: "ckpt-(\d+)"',
-                         (tmp_path / "w" / "checkpoints" / "checkpoint").read_text()).group(1))
+    step = latest_checkpoint_step(tmp_path / "w")
     again = ps_job(tmp_path, *SLOW)
     assert again.wait() == 0, again.output[-4000:]
-    assert f"Resuming from checkpoint" in again.output and f"at step {step}." in again.output
+    assert "Resuming from checkpoint" in again.output and f"at step {step}." in again.output
     m = metrics(tmp_path)
     assert (m["resumed_from_step"], m["steps"]) == (step, 310) and m["eval_accuracy"] >= 0.97
 
 
 def test_sigterm_checkpoints_on_the_chief(tmp_path):
     job = ps_job(tmp_path, *SLOW)
-    job.wait_for(r"Saved checkpoint \S+ckpt-\d+ at step")
-    job.proc.send_signal(signal.SIGTERM)
-    code = job.wait(timeout=120)
-    assert code == 143, job.output[-4000:]
-    match = re.search(r"stopped by a signal at step (\d+); checkpoint \S+ckpt-(\d+) was saved", job.output)
-    assert match and match.group(1) == match.group(2), job.output[-4000:]
+    step = job.preempt_after_first_checkpoint()
+    assert 0 < step < 310 and latest_checkpoint_step(tmp_path / "w") == step
+    assert "forwarding SIGTERM to chief:0 (checkpoint, then exit)" in job.output

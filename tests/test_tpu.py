@@ -6,8 +6,6 @@ policy (bfloat16, static shapes, high steps_per_execution) runs for real on the
 CPU through a backend that reports itself as a TPU.
 """
 
-import json
-import os
 import time
 
 import pytest

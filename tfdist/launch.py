@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
-import errno
 import fcntl
 import json
 import os

@@ -18,7 +18,6 @@ the job with an error naming it; relaunching resumes from the last checkpoint.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from typing import Any, Callable, Iterable, Sequence

@@ -81,7 +81,7 @@ def collect() -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"tfdist environment report", f"python: {report['python']} ({report['platform']})"]
+    lines = ["tfdist environment report", f"python: {report['python']} ({report['platform']})"]
     for package, version in report["packages"].items():
         lines.append(f"{package}: {version}")
     lines.append(f"tensorflow built with CUDA: {report['tensorflow_built_with_cuda']}")

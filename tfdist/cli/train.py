@@ -10,7 +10,6 @@ uses, which never read FLAGS.
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 
 from tfdist.cli import common
