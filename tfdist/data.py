@@ -174,7 +174,7 @@ def train_dataset_fn(
     *,
     per_replica_batch: int,
     steps_per_epoch: int,
-    seed: int,
+    seed: int | None,
     start_step: int = 0,
 ) -> DatasetFn:
     """Builds the training `dataset_fn` for `distribute_datasets_from_function`.
@@ -184,7 +184,8 @@ def train_dataset_fn(
     yields exactly `steps_per_epoch` steps of per-replica batches per epoch, so
     every worker runs the same number of steps. `start_step` skips the steps an
     interrupted run already trained on, so a resumed run sees exactly the data
-    the uninterrupted run would have.
+    the uninterrupted run would have. ``seed=None`` gives every pipeline its own
+    random order (parameter-server workers, whose steps are not fixed in advance).
     """
 
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -199,8 +200,9 @@ def train_dataset_fn(
                 f"fewer than one epoch needs ({per_epoch}); lower the batch size."
             )
         logging.info("Input pipeline %d of %d: %d training examples in its shard, per-replica batch %d, "
-                     "%d replica(s) fed by it.", ctx.input_pipeline_id, ctx.num_input_pipelines, shard_size,
-                     per_replica_batch, replicas_here)
+                     "%d replica(s) fed by it, each epoch in %s.", ctx.input_pipeline_id, ctx.num_input_pipelines,
+                     shard_size, per_replica_batch, replicas_here,
+                     "a random order of its own" if seed is None else f"the order seeded by {seed}")
         ds = ds.shuffle(shard_size, seed=seed, reshuffle_each_iteration=True)
         ds = ds.take(per_epoch).batch(per_replica_batch, drop_remainder=True).repeat()
         ds = ds.skip(start_step * replicas_here)

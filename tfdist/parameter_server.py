@@ -109,11 +109,8 @@ class ServerTask(Backend):
 class ParameterServerBackend(Backend):
     """The chief of a parameter-server job: coordinator and single controller."""
 
-    sharded_input = False
-    all_tasks_save = False
-
     def __init__(self, strategy: Any, info: ClusterInfo):
-        super().__init__("parameter_server", strategy, "cpu", cluster=info,
+        super().__init__("parameter_server", strategy, "cpu", cluster=info, sharded_input=False,
                          description=f"ParameterServerStrategy: chief, {len(info.cluster['worker'])} worker(s), "
                                      f"{info.num_ps} ps task(s)")
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
