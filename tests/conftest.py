@@ -7,7 +7,6 @@ so it is done here, once, before any test imports tfdist's training code.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -36,9 +35,9 @@ def _float32_policy():
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tfdist.launch import free_ports
+
+    return free_ports(1)[0]
 
 
 def subprocess_env(extra: Optional[dict] = None) -> dict:

@@ -111,10 +111,10 @@ class ParameterServerBackend(Backend):
 
     def __init__(self, strategy: Any, info: ClusterInfo):
         super().__init__("parameter_server", strategy, "cpu", cluster=info, sharded_input=False,
+                         max_in_flight=4 * len(info.cluster["worker"]),
                          description=f"ParameterServerStrategy: chief, {len(info.cluster['worker'])} worker(s), "
                                      f"{info.num_ps} ps task(s)")
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-        self.max_in_flight = 4 * len(info.cluster["worker"])
 
     @property
     def num_workers(self) -> int:

@@ -274,14 +274,14 @@ class _Run:
         epoch_seconds: dict[int, float] = {}
         steady_examples, steady_seconds, first = 0, 0.0, True
         epoch_totals = np.zeros(4)
-        losses: list[float] = []
+        first_loss: Optional[float] = None
+        last_loss: Optional[float] = None
         eval_metrics: dict[str, float] = {}
         every = config.checkpoint_every_steps
         with _StopRequest() as stop, writer.as_default():
             while self.step < plan.total_steps:
                 epoch = self.step // plan.steps_per_epoch
-                epoch_end = (epoch + 1) * plan.steps_per_epoch
-                boundary = min(plan.total_steps, epoch_end)
+                boundary = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
                 if every:
                     boundary = min(boundary, (self.step // every + 1) * every)
                 # Start up to max_in_flight executions (1 for synchronous strategies),
@@ -305,7 +305,8 @@ class _Run:
                     agreed_stop = agreed_stop or totals[3] > 0
                     epoch_totals += totals
                     loss, accuracy = totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
-                    losses.append(float(loss))
+                    last_loss = float(loss)
+                    first_loss = last_loss if first_loss is None else first_loss
                     if not math.isfinite(loss) and not self.precision.loss_scaling:
                         raise UserError(
                             f"The training loss became {loss} at step {self.step}; lower --learning_rate "
@@ -330,7 +331,7 @@ class _Run:
                 # the step's all-reduce; a single controller decides alone.
                 if agreed_stop or (backend.single_controller and stop.requested):
                     raise Preempted(self.step, self._save())
-                at_epoch_end = self.step == boundary and (self.step % plan.steps_per_epoch == 0 or self.step == plan.total_steps)
+                at_epoch_end = self.step % plan.steps_per_epoch == 0 or self.step == plan.total_steps
                 if at_epoch_end:
                     eval_metrics = self.evaluate()
                     for key in ("eval_loss", "eval_accuracy"):
@@ -368,8 +369,8 @@ class _Run:
             "resumed_from_step": resumed_from,
             "step_counter": getattr(self, "device_step_count", None),
             **eval_metrics,
-            "first_train_loss": losses[0] if losses else None,
-            "last_train_loss": losses[-1] if losses else None,
+            "first_train_loss": first_loss,
+            "last_train_loss": last_loss,
             "loss_scale": float(self.optimizer.dynamic_scale.numpy()) if self.precision.loss_scaling else None,
             "train_examples_per_sec": (steady_examples / steady_seconds) if steady_seconds else None,
             "epoch_train_seconds": [round(epoch_seconds[e], 4) for e in sorted(epoch_seconds)],
