@@ -46,6 +46,11 @@ class Backend:
     # so each reads the whole training set in its own random order instead.
     sharded_input: bool = True
 
+    # What `tfdist.make_strategy` returns: the tf.distribute strategy itself.
+    @property
+    def public_strategy(self) -> Any:
+        return self.strategy
+
     # Topology ---------------------------------------------------------------
     @property
     def num_replicas(self) -> int:
@@ -80,13 +85,41 @@ class Backend:
     def reduce_sum(self, per_replica: Any) -> tf.Tensor:
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
-    def finish_gradients(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Gradients as the optimizer should see them inside a replica.
+    def finish_gradients(self, grads: list[Any]) -> list[Any]:
+        """Sums a replica's gradients across all replicas and workers (inside a replica).
 
-        Keras 3's optimizer sums gradients across replicas itself under
-        tf.distribute, so nothing is needed here.
+        `None` gradients (unused weights) stay `None`; sparse gradients
+        (`IndexedSlices`, from embeddings) are all-reduced as such.
         """
-        return grads
+        context = tf.distribute.get_replica_context()
+        present = [g for g in grads if g is not None]
+        if context is None or not present or self.num_replicas == 1:
+            return grads
+        reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+        return [None if g is None else next(reduced) for g in grads]
+
+    @property
+    def loss_divisor(self) -> float:
+        """What each replica's Keras loss must still be divided by to be a share of the global mean.
+
+        Keras divides by the replica count of the tf.distribute strategy it runs
+        under; a backend whose replicas Keras cannot see (Horovod) divides the rest.
+        """
+        return 1.0
+
+    def sync_replica_state(self, variables: Sequence[Any]) -> None:
+        """Averages replica-local state across replicas (called in cross-replica context, compiled)."""
+        if not variables or self.num_replicas == 1:
+            return
+        values = [tf_variable(v) for v in variables]
+
+        def average() -> None:
+            context = tf.distribute.get_replica_context()
+            means = context.all_reduce(tf.distribute.ReduceOp.MEAN, [tf.identity(v) for v in values])
+            for variable, mean in zip(values, means):
+                variable.assign(mean)
+
+        self.strategy.run(average)
 
     def compile(self, fn: Callable) -> Callable:
         return tf.function(fn)
@@ -124,6 +157,17 @@ class Backend:
 
     def broadcast_initial_state(self, variables: Sequence[Any]) -> None:
         """Makes every replica start from the same values (tf.distribute already does)."""
+
+    def gather_from_tasks(self, row: np.ndarray) -> np.ndarray:
+        """Every task's `row`, stacked (one collective; all tasks must call it together)."""
+        value = tf.constant(row)
+
+        @tf.function
+        def gather() -> Any:
+            return self.strategy.run(
+                lambda: tf.distribute.get_replica_context().all_gather(value[None], axis=0))
+
+        return np.asarray(self.strategy.experimental_local_results(gather())[0])
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         """The values of one (Keras) variable on each local replica."""

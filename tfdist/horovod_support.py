@@ -72,6 +72,41 @@ def import_horovod() -> Any:
     return hvd
 
 
+class HorovodStrategy:
+    """What `tfdist.make_strategy("horovod")` returns: the strategy surface a user touches, over Horovod.
+
+    One replica per process: `run` calls the function, `reduce` all-reduces
+    across ranks, datasets are sharded by rank like tf.distribute's input
+    contexts.
+    """
+
+    def __init__(self, backend: "HorovodBackend"):
+        self._backend = backend
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return int(self._backend.hvd.size())
+
+    def run(self, fn: Callable, args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> Any:
+        return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op: Any, value: Any, axis: Optional[int] = None) -> Any:
+        hvd = self._backend.hvd
+        mean = str(getattr(reduce_op, "value", reduce_op)).upper() == "MEAN"
+        if axis is not None:
+            value = tf.reduce_mean(value, axis) if mean else tf.reduce_sum(value, axis)
+        return hvd.allreduce(value, op=hvd.Average if mean else hvd.Sum)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Iterable:
+        return self._backend.distribute_dataset(dataset_fn)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        return (value,)
+
+
 class HorovodBackend(Backend):
     """Horovod's core TensorFlow ops behind the surface every backend presents.
 
@@ -125,15 +160,40 @@ class HorovodBackend(Backend):
     def reduce_sum(self, value: Any) -> tf.Tensor:
         return self.hvd.allreduce(value, op=self.hvd.Sum)
 
-    def finish_gradients(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        # Each rank's loss is divided by the global batch, so summing gives the
-        # global-batch mean gradient. Adasum combines per-rank mean gradients.
+    def finish_gradients(self, grads: list[Any]) -> list[Any]:
+        # Each rank's loss is its share of the global mean (loss_divisor), so
+        # summing gives the global-batch mean gradient. Adasum combines per-rank
+        # mean gradients. Sparse gradients go dense: Horovod's grouped
+        # all-reduce takes dense tensors only.
+        present = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
         if self.op == "adasum":
-            grads = [g * float(self.hvd.size()) for g in grads]
-        return self.hvd.grouped_allreduce(grads, op=self._hvd_op, compression=self._compression)
+            present = [g * float(self.hvd.size()) for g in present]
+        reduced = iter(self.hvd.grouped_allreduce(present, op=self._hvd_op, compression=self._compression))
+        return [None if g is None else next(reduced) for g in grads]
+
+    @property
+    def loss_divisor(self) -> float:
+        return float(self.hvd.size())
+
+    @property
+    def public_strategy(self) -> HorovodStrategy:
+        if getattr(self, "_public", None) is None:
+            self._public = HorovodStrategy(self)
+        return self._public
+
+    def sync_replica_state(self, variables: Sequence[Any]) -> None:
+        if not variables or self.hvd.size() == 1:
+            return
+        values = [tf_variable(v) for v in variables]
+        means = self.hvd.grouped_allreduce([tf.identity(v) for v in values], op=self.hvd.Average)
+        for variable, mean in zip(values, means):
+            variable.assign(mean)
 
     def broadcast_initial_state(self, variables: Sequence[Any]) -> None:
         self.hvd.broadcast_variables([tf_variable(v) for v in variables], root_rank=0)
+
+    def gather_from_tasks(self, row: np.ndarray) -> np.ndarray:
+        return np.asarray(self.hvd.allgather(tf.constant(row)[None]))
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         return [np.asarray(tf_variable(variable))]

@@ -275,3 +275,62 @@ def _horovod(config: TrainConfig) -> Backend:
     from tfdist import horovod_support
 
     return horovod_support.build_backend(op=config.hvd_op or "average", compression=config.hvd_compression or "none")
+
+
+# The public factory ------------------------------------------------------------------
+_BACKENDS: dict[int, Backend] = {}
+_CURRENT: list[Backend] = []
+STRATEGY_OPTIONS = ("num_gpus", "num_cpu_replicas", "all_reduce", "collective_timeout_s", "tpu", "tpu_zone",
+                    "gcp_project", "hvd_compression", "hvd_op", "ps_shards", "precision")
+
+
+def remember(backend: Backend) -> None:
+    """Makes `backend` the one `tfdist.fit` uses by default (and for its strategy object)."""
+    _BACKENDS[id(backend.public_strategy)] = backend
+    _CURRENT[:] = [backend]
+
+
+def backend_of(strategy: object) -> Backend | None:
+    backend = _BACKENDS.get(id(strategy))
+    return backend if backend is not None and backend.public_strategy is strategy else None
+
+
+def current_backend() -> Backend:
+    """The backend of the last `make_strategy` call, else TensorFlow's default strategy."""
+    if _CURRENT:
+        return _CURRENT[0]
+    backend = build_backend(TrainConfig(strategy="default"))
+    remember(backend)
+    return backend
+
+
+def make_strategy(name: str = "auto", **options: object) -> object:
+    """Builds the named strategy; returns the tf.distribute.Strategy (or tfdist's Horovod wrapper).
+
+    `options` are the flags of the same names (num_cpu_replicas=2, all_reduce="ring", tpu="local",
+    precision="auto", ...). The mixed-precision policy is set here, before the model is built. On a
+    parameter-server job's worker and ps tasks this serves until the chief has finished and then ends
+    the process with status 0, so one script runs unchanged on every task.
+    """
+    import sys
+
+    from tfdist import precision as precision_lib
+
+    unknown = sorted(set(options) - set(STRATEGY_OPTIONS))
+    if unknown:
+        raise UserError(f"make_strategy got unknown option(s) {', '.join(unknown)}; valid options are "
+                        f"{', '.join(STRATEGY_OPTIONS)}.")
+    config = TrainConfig(strategy=name, **options)  # type: ignore[arg-type]
+    config.validate()
+    backend = build_backend(config)
+    if backend.serve():
+        backend.shutdown()
+        logging.info("[%s] served until the chief finished; exiting.", backend.task_label)
+        sys.exit(0)
+    choice = precision_lib.choose(config.precision, device_kind=backend.device_kind,
+                                  gpu_compute_capability=backend.gpu_compute_capability)
+    precision_lib.apply(choice, device_kind=backend.device_kind)
+    backend.precision = choice
+    logging.info("[%s] precision %s (%s)", backend.task_label, choice.policy, choice.reason)
+    remember(backend)
+    return backend.public_strategy

@@ -1,0 +1,336 @@
+"""`tfdist.fit`: train any compiled Keras 3 model under the strategy `tfdist.make_strategy` built.
+
+It takes what `Model.fit` takes (arrays, dicts/lists of arrays, sample
+weights, a `tf.data.Dataset`, or a dataset function of a
+`tf.distribute.InputContext`), trains with tfdist's loop (`tfdist.steps`,
+`tfdist.loop`) and returns a `keras.callbacks.History` with Keras' own keys.
+Bad input raises `tfdist.UserError` (a `ValueError`) with one paragraph naming
+the problem and the fix, before any training step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfdist import inputs, steps as steps_lib, strategies
+from tfdist.backend import Backend, tf_variable
+from tfdist.errors import UserError
+from tfdist.loop import Controller, LoopPlan, LoopResult, Preempted  # noqa: F401 (re-exported)
+
+PLAN_FILE = "plan.json"
+
+
+def _fail(message: str) -> UserError:
+    return UserError(message)
+
+
+# Inputs -------------------------------------------------------------------------
+def _to_numpy(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {k: _to_numpy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_numpy(v) for v in value)
+    return np.asarray(value)
+
+
+def _input_names(model: keras.Model) -> Optional[list[str]]:
+    names = getattr(model, "input_names", None)
+    if names:
+        return list(names)
+    try:
+        return [t.name for t in tf.nest.flatten(model.inputs)]
+    except (AttributeError, ValueError):
+        return None
+
+
+def arrays_from(model: keras.Model, x: Any, y: Any, sample_weight: Any, what: str) -> inputs.Arrays:
+    """Checks and converts array inputs; `what` names them in errors ('x' or 'validation_data')."""
+    x, y, sample_weight = _to_numpy(x), _to_numpy(y), _to_numpy(sample_weight)
+    if y is None:
+        raise _fail(f"{what} has inputs but no targets; pass y (or validation_data=(x_val, y_val)).")
+    if isinstance(x, dict):
+        names = _input_names(model)
+        if names and set(x) != set(names):
+            raise _fail(
+                f"The keys of {what} ({', '.join(sorted(x))}) do not match the model's inputs "
+                f"({', '.join(sorted(names))}); use one key per keras.Input, named as the Input's name.")
+    lengths = {}
+    for label, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if value is None:
+            continue
+        for i, leaf in enumerate(tf.nest.flatten(value)):
+            if leaf.ndim == 0:
+                raise _fail(f"{what}: {label} holds a scalar; every input needs a leading example dimension.")
+            lengths[f"{label}[{i}]" if len(tf.nest.flatten(value)) > 1 else label] = len(leaf)
+    if len(set(lengths.values())) > 1:
+        shown = ", ".join(f"{k}: {v}" for k, v in lengths.items())
+        raise _fail(f"The inputs of {what} disagree on the number of examples ({shown}); every array needs the "
+                    "same first dimension.")
+    return inputs.Arrays(x, y, sample_weight)
+
+
+def _split_validation(validation_data: Any) -> tuple:
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+        return tuple(validation_data) + (None,) * (3 - len(validation_data))
+    raise _fail(
+        f"validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight_val) of arrays, not "
+        f"{type(validation_data).__name__}{'' if not isinstance(validation_data, (tuple, list)) else f' of length {len(validation_data)}'}.")
+
+
+# Strategy and model ---------------------------------------------------------------
+def _backend(strategy: Any) -> Backend:
+    if strategy is not None:
+        backend = strategies.backend_of(strategy)
+        if backend is None:
+            raise _fail("The strategy passed to tfdist.fit was not made by tfdist.make_strategy; build it with "
+                        "tfdist.make_strategy(name, ...) so tfdist knows its topology.")
+        return backend
+    return strategies.current_backend()
+
+
+def _check_scope(model: keras.Model, backend: Backend) -> None:
+    extended = getattr(backend.strategy, "extended", None)
+    if backend.strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        strategy_default = True
+    else:
+        strategy_default = False
+    for variable in list(model.weights) + list(model.optimizer.variables):
+        value = tf_variable(variable)
+        if strategy_default or extended is None:
+            if isinstance(value, tf.distribute.DistributedValues):
+                raise _fail(f"The model's variable {variable.path} belongs to another tf.distribute strategy; build "
+                            "and compile the model under the scope of the strategy you train with.")
+            continue
+        if not extended.variable_created_in_scope(value):
+            raise _fail(
+                f"The model was not built under the strategy's scope (variable {variable.path} is not "
+                f"{type(backend.strategy).__name__}'s). Build and compile it inside `with strategy.scope():` "
+                "with the strategy from tfdist.make_strategy.")
+
+
+def _build(model: keras.Model, backend: Backend, example: tuple) -> None:
+    """Creates all model, metric and optimizer state, under the strategy's scope."""
+    x, y, sample_weight = example
+    with backend.scope():
+        try:
+            model._symbolic_build(data_batch=(x, y, sample_weight))
+        except (ValueError, TypeError) as e:
+            raise _fail(f"The model cannot take these inputs: {' '.join(str(e).split())[:400]}") from None
+
+
+# Plan -----------------------------------------------------------------------------
+def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, grad_accum_steps: int,
+          steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
+          max_steps: Optional[int], extra: dict) -> LoopPlan:
+    replicas = backend.num_replicas
+    if batch_size < replicas:
+        raise _fail(f"batch_size={batch_size} is smaller than the number of replicas ({replicas}); every replica "
+                    f"needs at least one example. Use batch_size={replicas * 32} or more.")
+    unit = replicas * grad_accum_steps
+    if batch_size % unit:
+        lower, upper = (batch_size // unit) * unit, (batch_size // unit + 1) * unit
+        raise _fail(f"batch_size={batch_size} does not divide evenly across {replicas} replica(s) x "
+                    f"{grad_accum_steps} accumulation step(s); use a multiple of {unit}, e.g. {lower or upper} "
+                    f"or {upper}.")
+    if steps_per_epoch is None:
+        steps_per_epoch = num_train // batch_size
+        if steps_per_epoch < 1:
+            raise _fail(f"batch_size={batch_size} is larger than the training set ({num_train} examples).")
+    total = steps_per_epoch * epochs
+    if max_steps is not None:
+        total = min(total, max_steps)
+    per_replica = batch_size // replicas
+    return LoopPlan(
+        global_batch=batch_size, per_replica_batch=per_replica, micro_batch=per_replica // grad_accum_steps,
+        grad_accum_steps=grad_accum_steps, steps_per_epoch=steps_per_epoch, epochs=epochs, total_steps=total,
+        steps_per_execution=steps_per_execution or (100 if backend.device_kind == "tpu" else 10), seed=seed,
+        extra=tuple(sorted(extra.items())),
+    )
+
+
+def check_resume(path: str, plan: LoopPlan) -> None:
+    """Refuses to resume a run whose resolved plan differs, naming each field."""
+    saved_path = os.path.join(path, PLAN_FILE)
+    if not tf.io.gfile.exists(saved_path):
+        return
+    with tf.io.gfile.GFile(saved_path) as f:
+        saved = json.load(f)
+    now = plan.resume_fields()
+    changed = [f"{k} (was {saved.get(k)!r}, now {now.get(k)!r})" for k in sorted(set(saved) | set(now))
+               if k != "num_replicas" and saved.get(k) != now.get(k)]
+    if changed:
+        raise UserError(
+            f"Cannot resume the run in --workdir={path}: {'; '.join(changed)} changed what a training step "
+            "means. Restore the old setting, or start a new run with a new --workdir.")
+    if saved.get("num_replicas") not in (None, plan_replicas(plan)):
+        logging.info("Resuming on another topology (%s replica(s) before, %s now); the plan is unchanged, so "
+                     "training continues the same trajectory.", saved.get("num_replicas"), plan_replicas(plan))
+
+
+def plan_replicas(plan: LoopPlan) -> int:
+    return plan.global_batch // plan.per_replica_batch
+
+
+# The public function ---------------------------------------------------------------
+def fit(
+    model: keras.Model,
+    x: Any = None,
+    y: Any = None,
+    *,
+    batch_size: int,
+    epochs: int = 1,
+    validation_data: Any = None,
+    sample_weight: Any = None,
+    callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
+    workdir: Optional[str] = None,
+    strategy: Any = None,
+    steps_per_epoch: Optional[int] = None,
+    steps_per_execution: Optional[int] = None,
+    grad_accum_steps: int = 1,
+    seed: int = 0,
+    max_steps: Optional[int] = None,
+    checkpoint_every_steps: int = 0,
+    keep_checkpoints: int = 3,
+    resume: Optional[bool] = None,
+    verbose: int = 1,
+    step_counter: Optional[tf.Variable] = None,
+    plan_extra: Optional[dict] = None,
+    _report: Optional[dict] = None,
+) -> keras.callbacks.History:
+    """Trains `model` (built and compiled under the strategy's scope); returns its History.
+
+    See the README's "Use it from Python" section for every argument.
+    """
+    from tfdist import workdir as workdir_lib
+
+    start = time.time()
+    backend = _backend(strategy)
+    steps_lib.check_model(model, _fail)
+    if epochs < 1:
+        raise _fail(f"epochs={epochs} must be 1 or more.")
+    if grad_accum_steps < 1:
+        raise _fail(f"grad_accum_steps={grad_accum_steps} must be 1 or more.")
+    if batch_size is None or int(batch_size) < 1:
+        raise _fail(f"batch_size={batch_size!r} must be a positive global batch size (examples per optimizer step "
+                    "over all replicas).")
+    dataset_kind = "arrays"
+    if isinstance(x, tf.data.Dataset) or callable(x):
+        raise _fail("tfdist.fit takes arrays (numpy, dicts or lists of arrays) in this version; tf.data.Dataset "
+                    "and dataset-function inputs are not supported yet. Pass x=..., y=... arrays.")
+    train = arrays_from(model, x, y, sample_weight, "x/y")
+    validation = None
+    if validation_data is not None:
+        vx, vy, vw = _split_validation(validation_data)
+        validation = arrays_from(model, vx, vy, vw, "validation_data")
+        if tf.nest.map_structure(lambda a: a.shape[1:], validation.x) != \
+                tf.nest.map_structure(lambda a: a.shape[1:], train.x):
+            raise _fail("validation_data's inputs do not have the shapes of the training inputs (apart from the "
+                        "number of examples); pass (x_val, y_val) structured like x and y.")
+    _check_scope(model, backend)
+    plan = _plan(backend, num_train=train.num_examples, batch_size=int(batch_size), epochs=epochs,
+                 grad_accum_steps=grad_accum_steps, steps_per_execution=steps_per_execution,
+                 steps_per_epoch=steps_per_epoch, seed=seed, max_steps=max_steps,
+                 extra={"data": dataset_kind, "num_train": train.num_examples, **(plan_extra or {})})
+    example = inputs.map_present(lambda a: a[:plan.micro_batch], train.structure)
+    _build(model, backend, example)
+
+    with backend.scope():
+        if step_counter is None:
+            step_counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_step",
+                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    backend.report_placement(list(model.variables) + list(model.optimizer.variables) + [step_counter])
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step_counter)
+    rundir = workdir_lib.RunDir(workdir, is_chief=backend.is_chief) if workdir else None
+    start_step = 0
+    manager = None
+    try:
+        if rundir is not None:
+            latest = rundir.latest_checkpoint()
+            if latest is not None and resume is False:
+                raise UserError(f"--workdir={workdir} already holds checkpoint {os.path.basename(latest)} and "
+                                "resume=False; tfdist never overwrites a run. Pick a new workdir, or allow resuming.")
+            if latest is None and resume:
+                raise UserError(f"resume=True but {rundir.join('checkpoints')} holds no checkpoint; drop it to start "
+                                "a new run.")
+            if latest is not None:
+                check_resume(workdir, plan)
+                checkpoint.restore(latest).assert_existing_objects_matched()
+                start_step = int(step_counter.numpy())
+                logging.info("Resuming from checkpoint %s at step %d.", latest, start_step)
+            manager = tf.train.CheckpointManager(checkpoint, rundir.checkpoint_dir, max_to_keep=keep_checkpoints,
+                                                 checkpoint_name="ckpt")
+            rundir.write_text(PLAN_FILE, json.dumps({**plan.resume_fields(), "num_replicas": backend.num_replicas},
+                                                    indent=2, sort_keys=True) + "\n")
+        precision = keras.mixed_precision.dtype_policy().name
+        backend.broadcast_initial_state(list(model.variables) + list(model.optimizer.variables))
+        step_functions = steps_lib.StepFunctions(model, backend, grad_accum_steps=grad_accum_steps,
+                                                 step_counter=step_counter)
+        result = _run(model, backend, plan, train, validation, step_functions, checkpoint, manager, rundir,
+                      step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision)
+    finally:
+        if rundir is not None:
+            rundir.cleanup()
+    if _report is not None:
+        _report.update(plan=plan, result=result, backend=backend, precision=precision, rundir=rundir,
+                       wall_seconds=time.time() - start)
+    return result.history
+
+
+def _run(model, backend, plan, train, validation, step_functions, checkpoint, manager, rundir, step_counter,
+         start_step, callbacks, checkpoint_every_steps, verbose, precision) -> LoopResult:
+    replicas = backend.num_replicas
+    if backend.sharded_input:
+        train_fn = lambda first: iter(backend.distribute_dataset(inputs.train_arrays_fn(  # noqa: E731
+            train, per_replica_batch=plan.per_replica_batch, steps_per_epoch=plan.steps_per_epoch, seed=plan.seed,
+            start_step=first, total_steps=plan.total_steps)))
+    else:
+        train_fn = lambda first: iter(backend.distribute_dataset(inputs.random_order_arrays_fn(  # noqa: E731
+            train, per_replica_batch=plan.per_replica_batch)))
+    eval_fn, eval_steps, eval_examples = None, 0, None
+    if validation is not None:
+        eval_batch = max(plan.per_replica_batch, 64)
+        eval_steps = inputs.eval_steps(validation.num_examples, eval_batch, replicas)
+        eval_dataset = backend.distribute_eval_dataset(inputs.eval_arrays_fn(
+            validation, per_replica_batch=eval_batch, steps=eval_steps,
+            static_shapes=backend.device_kind == "tpu"))
+        eval_fn = lambda: iter(eval_dataset)  # noqa: E731
+        eval_examples = validation.num_examples
+    history = keras.callbacks.History()
+    callback_list = keras.callbacks.CallbackList(
+        list(callbacks or []) + [history], add_history=False, add_progbar=False, model=model,
+        verbose=0, epochs=plan.epochs, steps=plan.steps_per_epoch)
+
+    def save(step: int) -> Optional[str]:
+        if manager is None or not (backend.is_chief or backend.all_tasks_save):
+            return None
+        step_functions.device_step_count = int(step_counter.numpy())
+        step_counter.assign(step)
+        path = manager.save(checkpoint_number=step)
+        if backend.is_chief:
+            logging.info("Saved checkpoint %s at step %d.", path, step)
+        return path if backend.is_chief else None
+
+    controller = Controller(
+        steps=step_functions, backend=backend, plan=plan, train_iterator_fn=train_fn, eval_iterator_fn=eval_fn,
+        eval_steps=eval_steps, eval_examples=eval_examples, checkpoint=checkpoint, manager=manager, save_fn=save,
+        callbacks=callback_list, history=history,
+        loss_scaling=isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer),
+        checkpoint_every_steps=checkpoint_every_steps, progress=bool(verbose), error=_fail,
+    )
+    controller.check_agreement(start_step, precision)
+    writer = rundir.summary_writer() if rundir is not None else tf.summary.create_noop_writer()
+    with writer.as_default():
+        result = controller.run(start_step)
+        writer.flush()
+    result.device_step_count = getattr(step_functions, "device_step_count", None)
+    return result

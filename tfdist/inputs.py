@@ -1,0 +1,183 @@
+"""Input pipelines for the training loop: arrays, datasets and dataset functions.
+
+The loop consumes *per-replica batches* from a `tf.distribute` dataset
+function (``dataset_fn(InputContext) -> tf.data.Dataset``). This module turns
+what a user hands to `tfdist.fit` into such functions.
+
+Array inputs train in an order that does not depend on the topology: the
+examples of global step ``s`` are a function of ``(seed, epoch, s)`` alone.
+Each epoch is one stateless permutation of the training set
+(`tf.random.experimental.index_shuffle` seeded by ``(seed, epoch)``), sliced
+into global batches; global batch ``s`` is split into contiguous per-replica
+pieces in replica order (and each replica's piece into micro-batches in
+order). One process with 1, 2 or 4 replicas, several workers or several
+Horovod ranks therefore train on the same examples at every step, and a run
+resumed on another topology continues the same trajectory. The arrays are
+held once per pipeline and gathered by index, not sliced element by element.
+
+Evaluation pipelines pad every pipeline's share with weight-0 examples up to
+whole batches, so every held-out example counts exactly once and every batch
+has the same static shape (as TPUs need).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrays:
+    """A nested structure (x, y, sample_weight) of arrays sharing their first dimension."""
+
+    x: Any
+    y: Any = None
+    sample_weight: Any = None
+
+    @property
+    def structure(self) -> tuple:
+        return (self.x, self.y, self.sample_weight)
+
+    @property
+    def num_examples(self) -> int:
+        return int(len(tf.nest.flatten(self.x)[0]))
+
+
+def options() -> tf.data.Options:
+    opts = tf.data.Options()
+    # Sharding is explicit (by input context); tf.distribute must not shard again.
+    opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    opts.deterministic = True
+    return opts
+
+
+def _replicas_here(ctx: tf.distribute.InputContext) -> int:
+    return max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
+
+
+def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
+    """`tf.nest.map_structure` that leaves None leaves (no targets, no weights) as None."""
+    return tf.nest.map_structure(lambda a: None if a is None else fn(a), structure)
+
+
+def _constants(arrays: Arrays) -> tuple:
+    return map_present(tf.constant, arrays.structure)
+
+
+def _gather(tensors: tuple, indices: tf.Tensor) -> tuple:
+    return map_present(lambda t: tf.gather(t, indices), tensors)
+
+
+def _drop_none(element: tuple) -> tuple:
+    x, y, sample_weight = element
+    if sample_weight is None:
+        return (x, y) if y is not None else (x,)
+    return (x, y, sample_weight)
+
+
+def train_arrays_fn(
+    arrays: Arrays,
+    *,
+    per_replica_batch: int,
+    steps_per_epoch: int,
+    seed: int,
+    start_step: int = 0,
+    total_steps: Optional[int] = None,
+) -> DatasetFn:
+    """Per-replica training batches in the topology-independent order (module docstring).
+
+    `start_step` skips the steps an interrupted run already trained, so a
+    resumed run sees exactly the data the uninterrupted run would have.
+    """
+    num = arrays.num_examples
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        here = _replicas_here(ctx)
+        global_batch = per_replica_batch * ctx.num_replicas_in_sync
+        first_replica = ctx.input_pipeline_id * here
+        tensors = _constants(arrays)
+        logging.info("Input pipeline %d of %d: replicas %d-%d of %d, per-replica batch %d, global batch %d, "
+                     "order seeded by %d (the same on every topology).", ctx.input_pipeline_id,
+                     ctx.num_input_pipelines, first_replica, first_replica + here - 1, ctx.num_replicas_in_sync,
+                     per_replica_batch, global_batch, seed)
+
+        def step_batches(step: tf.Tensor) -> tf.data.Dataset:
+            epoch = step // steps_per_epoch
+            offset = (step % steps_per_epoch) * global_batch + first_replica * per_replica_batch
+            positions = offset + tf.range(here * per_replica_batch, dtype=tf.int64)
+            indices = tf.random.experimental.index_shuffle(
+                positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+            batch = _gather(tensors, tf.reshape(indices, [here, per_replica_batch]))
+            return tf.data.Dataset.from_tensor_slices(_drop_none(batch))
+
+        end = total_steps if total_steps is not None else np.iinfo(np.int64).max
+        ds = tf.data.Dataset.range(start_step, end).flat_map(step_batches)
+        return ds.prefetch(tf.data.AUTOTUNE).with_options(options())
+
+    return dataset_fn
+
+
+def random_order_arrays_fn(arrays: Arrays, *, per_replica_batch: int) -> DatasetFn:
+    """Every pipeline reads all the arrays in a random order of its own, forever.
+
+    For parameter-server workers, which take steps as they become free, so no
+    fixed assignment of steps to workers exists.
+    """
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        num = arrays.num_examples
+        tensors = _constants(arrays)
+        ds = tf.data.Dataset.range(num).shuffle(num, reshuffle_each_iteration=True).repeat()
+        ds = ds.batch(per_replica_batch, drop_remainder=True).map(lambda i: _drop_none(_gather(tensors, i)))
+        return ds.prefetch(tf.data.AUTOTUNE).with_options(options())
+
+    return dataset_fn
+
+
+def eval_steps(num_examples: int, per_replica_batch: int, num_replicas: int) -> int:
+    return max(1, -(-num_examples // (per_replica_batch * num_replicas)))
+
+
+def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False) -> DatasetFn:
+    """Per-replica eval batches (x, y, weight, mask): every example exactly once.
+
+    Replica r of step s takes positions ``(s * R + r) * b ...``. Positions past
+    the end are dropped, so the last batches are smaller (some may be empty);
+    with `static_shapes` (TPUs) they are padded instead and `mask` is 0 there.
+    `weight` is the user's sample weight (times the mask), or the mask.
+    """
+    num = arrays.num_examples
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        here = _replicas_here(ctx)
+        replicas = ctx.num_replicas_in_sync
+        first_replica = ctx.input_pipeline_id * here
+        x, y, sample_weight = _constants(arrays)
+
+        def replica_batch(slot: tf.Tensor) -> tuple:
+            step, local = slot // here, slot % here
+            positions = (step * replicas + first_replica + local) * per_replica_batch + tf.range(
+                per_replica_batch, dtype=tf.int64)
+            real = positions < num
+            if static_shapes:
+                indices = tf.minimum(positions, num - 1)
+                mask = tf.cast(real, tf.float32)
+            else:
+                indices = tf.boolean_mask(positions, real)
+                mask = tf.ones(tf.shape(indices), tf.float32)
+            bx, by = _gather((x, y), indices)
+            weight = mask
+            if sample_weight is not None:
+                weight = mask * tf.cast(tf.gather(sample_weight, indices), tf.float32)
+            return bx, by, weight, mask
+
+        ds = tf.data.Dataset.range(steps * here).map(replica_batch)
+        return ds.prefetch(tf.data.AUTOTUNE).with_options(options())
+
+    return dataset_fn

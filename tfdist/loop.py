@@ -1,0 +1,334 @@
+"""The outer training loop: when to train, evaluate, checkpoint, summarise and stop.
+
+`Controller` (after Orbit's Controller) drives `tfdist.steps.StepFunctions`
+through whole epochs. It knows nothing about the model: it schedules
+executions of at most ``steps_per_execution`` steps (several in flight where
+the backend runs them asynchronously), never past an epoch or checkpoint
+boundary; guards against non-finite losses; writes TensorBoard scalars and
+progress; evaluates at each epoch end; calls Keras callbacks with Keras'
+log names; checkpoints (chief only, through `tfdist.workdir.RunDir`); and turns
+SIGTERM/SIGINT into a checkpoint and `Preempted`.
+
+Before the first step every task of a multi-worker job compares what it
+restored and what it plans to run with one all-gather, so a workdir that is
+not shared, or a worker started with other flags, fails at once with a message
+naming the tasks instead of hanging later.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import math
+import signal
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfdist.backend import Backend
+from tfdist.errors import UserError
+from tfdist.steps import StepFunctions
+
+# A loss that stays non-finite this many steps in a row under loss scaling
+# is divergence, not an overflow the scale can absorb.
+MAX_NONFINITE_STEPS = 50
+
+
+class Preempted(Exception):
+    """Raised after a SIGTERM/SIGINT stopped training and a checkpoint was saved."""
+
+    def __init__(self, step: int, checkpoint: Optional[str]):
+        super().__init__(
+            f"Training was stopped by a signal at step {step}; checkpoint {checkpoint} was "
+            "saved. Run the same command with the same --workdir to resume from it."
+        )
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+class StopRequest:
+    """Turns SIGTERM/SIGINT into a flag the loop checks between executions."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # Not the main thread: leave signals alone.
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:  # Second signal: stop now.
+            raise KeyboardInterrupt
+        logging.warning("Received signal %d: saving a checkpoint and stopping.", signum)
+        self.requested = True
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """The resolved numbers of one run. `resume_fields()` must match for a resume."""
+
+    global_batch: int
+    per_replica_batch: int
+    micro_batch: int
+    grad_accum_steps: int
+    steps_per_epoch: int
+    epochs: int
+    total_steps: int
+    steps_per_execution: int
+    seed: int
+    extra: tuple = ()  # (name, value) pairs the caller adds: dataset, learning rate, precision, ...
+
+    def resume_fields(self) -> dict[str, Any]:
+        fields = {
+            "global_batch": self.global_batch, "micro_batch": self.micro_batch,
+            "grad_accum_steps": self.grad_accum_steps, "steps_per_epoch": self.steps_per_epoch,
+            "epochs": self.epochs, "total_steps": self.total_steps, "seed": self.seed,
+        }
+        fields.update(dict(self.extra))
+        return json.loads(json.dumps(fields))  # What a JSON round trip keeps.
+
+    def digest(self) -> int:
+        text = json.dumps(self.resume_fields(), sort_keys=True)
+        return int(hashlib.sha256(text.encode()).hexdigest()[:7], 16)
+
+
+@dataclasses.dataclass
+class Progress:
+    """A progress bar on an interactive chief; a few log lines per epoch otherwise."""
+
+    enabled: bool
+    steps_per_epoch: int
+    bar: Optional[keras.utils.Progbar] = None
+    last_logged: int = -1
+
+    def update(self, epoch: int, step_in_epoch: int, logs: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if sys.stdout.isatty():
+            if self.bar is None or step_in_epoch <= 0:
+                self.bar = keras.utils.Progbar(self.steps_per_epoch, stateful_metrics=list(logs))
+            self.bar.update(step_in_epoch, list(logs.items()))
+            return
+        quarter = max(1, self.steps_per_epoch // 4)
+        if step_in_epoch // quarter != self.last_logged // quarter or step_in_epoch == self.steps_per_epoch:
+            shown = " ".join(f"{k}={v:.4f}" for k, v in logs.items())
+            logging.info("epoch %d: step %d/%d %s", epoch + 1, step_in_epoch, self.steps_per_epoch, shown)
+        self.last_logged = step_in_epoch
+
+
+@dataclasses.dataclass
+class LoopResult:
+    history: keras.callbacks.History
+    steps: int
+    resumed_from: int
+    train_logs: dict[str, float]
+    val_logs: dict[str, float]
+    first_loss: Optional[float]
+    last_loss: Optional[float]
+    examples_per_sec: Optional[float]
+    epoch_seconds: list[float]
+    device_step_count: Optional[int]
+
+
+class Controller:
+    """Runs a `LoopPlan` with `StepFunctions`; owns checkpoints, evaluation, callbacks and stopping."""
+
+    def __init__(
+        self,
+        *,
+        steps: StepFunctions,
+        backend: Backend,
+        plan: LoopPlan,
+        train_iterator_fn: Callable[[int], Any],
+        eval_iterator_fn: Optional[Callable[[], Any]],
+        eval_steps: int,
+        eval_examples: Optional[int],
+        checkpoint: tf.train.Checkpoint,
+        manager: Optional[tf.train.CheckpointManager],
+        save_fn: Callable[[int], Optional[str]],
+        callbacks: keras.callbacks.CallbackList,
+        history: keras.callbacks.History,
+        loss_scaling: bool,
+        checkpoint_every_steps: int = 0,
+        progress: bool = True,
+        error: Callable[[str], Exception] = UserError,
+    ):
+        self.steps = steps
+        self.backend = backend
+        self.plan = plan
+        self.train_iterator_fn = train_iterator_fn
+        self.eval_iterator_fn = eval_iterator_fn
+        self.eval_steps = eval_steps
+        self.eval_examples = eval_examples
+        self.checkpoint = checkpoint
+        self.manager = manager
+        self.save_fn = save_fn
+        self.callbacks = callbacks
+        self.history = history
+        self.loss_scaling = loss_scaling
+        self.every = checkpoint_every_steps
+        self.progress = Progress(progress and backend.is_chief, plan.steps_per_epoch)
+        self.error = error
+        self.model = steps.model
+
+    # Agreement ----------------------------------------------------------------
+    def check_agreement(self, step: int, precision: str) -> None:
+        """All tasks compare (step, plan, precision) before the first step; a mismatch fails all of them."""
+        if self.backend.single_controller:
+            return
+        mine = np.array([self.backend.worker_index, step, self.plan.digest(),
+                         int(hashlib.sha256(precision.encode()).hexdigest()[:7], 16)], np.int64)
+        table = self.backend.gather_from_tasks(mine)
+        rows = sorted({tuple(int(v) for v in row) for row in table})
+        if len({row[1:] for row in rows}) == 1:
+            return
+        steps = ", ".join(f"worker {r[0]} step {r[1]}" for r in rows)
+        if len({r[1] for r in rows}) > 1:
+            raise self.error(
+                f"The workers restored different checkpoints ({steps}): is --workdir on storage every machine "
+                "shares? Point every worker at the same shared --workdir (or start them all from scratch in a new "
+                "one).")
+        what = "plan (batch sizes, steps, seed, learning rate, dataset)" if len({r[2] for r in rows}) > 1 \
+            else f"precision policy (this task: {precision})"
+        raise self.error(
+            f"The workers disagree about the {what}: tasks {', '.join(f'worker {r[0]}' for r in rows)} resolved "
+            "different values. Start every worker with the same command, flags and software on the same kind of "
+            "machine.")
+
+    # Running ------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        if self.eval_iterator_fn is None:
+            return {}
+        totals = self.backend.execute(self.steps.eval_chunk, self.eval_iterator_fn(),
+                                      tf.constant(self.eval_steps, tf.int64))
+        count = int(round(float(totals[0])))
+        if self.eval_examples is not None and count != self.eval_examples:
+            raise RuntimeError(f"Evaluation counted {count} examples, expected {self.eval_examples}.")
+        return self.steps.layout.results(totals, prefix="val_")
+
+    def run(self, start_step: int) -> LoopResult:
+        plan, backend, steps = self.plan, self.backend, self.steps
+        step = start_step
+        iterator = self.train_iterator_fn(start_step)
+        layout = steps.layout
+        epoch_totals = np.zeros(layout.size)
+        epoch_seconds: dict[int, float] = {}
+        steady_examples, steady_seconds, first_segment = 0, 0.0, True
+        first_loss: Optional[float] = None
+        last_loss: Optional[float] = None
+        train_logs: dict[str, float] = {}
+        val_logs: dict[str, float] = {}
+        nonfinite_run = 0
+        self.callbacks.on_train_begin()
+        epoch_open = False
+        with StopRequest() as stop:
+            while step < plan.total_steps and not self.model.stop_training:
+                epoch = step // plan.steps_per_epoch
+                if not epoch_open:
+                    self.callbacks.on_epoch_begin(epoch)
+                    epoch_open = True
+                boundary = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
+                if self.every:
+                    boundary = min(boundary, (step // self.every + 1) * self.every)
+                t0 = time.perf_counter()
+                pending: collections.deque = collections.deque()
+                dispatched = step
+                while dispatched < boundary and len(pending) < backend.max_in_flight:
+                    if backend.single_controller and stop.requested:
+                        break
+                    num = min(plan.steps_per_execution, boundary - dispatched)
+                    pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
+                                                          tf.constant(1.0 if stop.requested else 0.0))))
+                    dispatched += num
+                segment_examples, agreed_stop = 0, False
+                while pending:
+                    num, handle = pending.popleft()
+                    totals = backend.fetch(handle)
+                    step += num
+                    segment_examples += num * plan.global_batch
+                    agreed_stop = agreed_stop or totals[2] > 0
+                    nonfinite = int(round(float(totals[1])))
+                    if nonfinite and not self.loss_scaling:
+                        raise self.error(
+                            f"The training loss became non-finite (NaN or inf) in {nonfinite} of the steps up to "
+                            f"step {step}; lower the learning rate (or add warm-up). No checkpoint was written for "
+                            "these steps.")
+                    nonfinite_run = nonfinite_run + nonfinite if nonfinite == num else 0
+                    if nonfinite_run >= MAX_NONFINITE_STEPS:
+                        raise self.error(
+                            f"The training loss stayed non-finite for {nonfinite_run} consecutive steps up to step "
+                            f"{step} although loss scaling skipped them and lowered the scale each time: training "
+                            "diverged. Lower the learning rate (or add warm-up). No checkpoint was written for "
+                            "these steps.")
+                    epoch_totals += totals
+                    chunk_logs = layout.results(totals)
+                    if "loss" in chunk_logs and math.isfinite(chunk_logs["loss"]):
+                        last_loss = chunk_logs["loss"]
+                        first_loss = last_loss if first_loss is None else first_loss
+                    for name, value in chunk_logs.items():
+                        tf.summary.scalar(f"train/{name}", value, step=step)
+                    self.progress.update(epoch, step - epoch * plan.steps_per_epoch, layout.results(epoch_totals))
+                seconds = time.perf_counter() - t0
+                epoch_seconds[epoch] = epoch_seconds.get(epoch, 0.0) + seconds
+                if first_segment:
+                    first_segment = False
+                elif segment_examples:
+                    steady_examples += segment_examples
+                    steady_seconds += seconds
+                if segment_examples:
+                    learning_rate = _learning_rate(self.model.optimizer)
+                    if learning_rate is not None:
+                        tf.summary.scalar("train/learning_rate", learning_rate, step=step)
+                    tf.summary.scalar("train/examples_per_sec", segment_examples / seconds, step=step)
+                # Multi-controller jobs agree through the stop flag that travelled with
+                # the execution's reduction; a single controller decides alone.
+                if agreed_stop or (backend.single_controller and stop.requested):
+                    raise Preempted(step, self.save_fn(step))
+                at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps
+                if at_epoch_end:
+                    train_logs = layout.results(epoch_totals)
+                    val_logs = self.evaluate()
+                    for name, value in val_logs.items():
+                        tf.summary.scalar(f"eval/{name[4:]}", value, step=step)
+                    logs = {**train_logs, **val_logs}
+                    if backend.is_chief:
+                        logging.info("epoch %d/%d step %d: %s (%.1fs)", epoch + 1, plan.epochs, step,
+                                     " ".join(f"{k}={v:.4f}" for k, v in logs.items()), epoch_seconds[epoch])
+                    epoch_totals = np.zeros(layout.size)
+                    self.callbacks.on_epoch_end(epoch, logs)
+                    epoch_open = False
+                if at_epoch_end or (self.every and step % self.every == 0):
+                    self.save_fn(step)
+            if step == start_step and self.eval_iterator_fn is not None:
+                val_logs = self.evaluate()  # Resumed a finished run: evaluate what was restored.
+        self.callbacks.on_train_end({**train_logs, **val_logs})
+        return LoopResult(
+            history=self.history, steps=step, resumed_from=start_step, train_logs=train_logs, val_logs=val_logs,
+            first_loss=first_loss, last_loss=last_loss,
+            examples_per_sec=(steady_examples / steady_seconds) if steady_seconds else None,
+            epoch_seconds=[round(epoch_seconds[e], 4) for e in sorted(epoch_seconds)],
+            device_step_count=None,
+        )
+
+
+def _learning_rate(optimizer: Any) -> Optional[float]:
+    try:
+        return float(np.asarray(optimizer.learning_rate))
+    except Exception:  # A schedule Keras cannot evaluate eagerly here.
+        return None

@@ -1,0 +1,270 @@
+"""The compiled inner loops: training and evaluation steps for any compiled Keras 3 model.
+
+`StepFunctions` owns what runs on the devices (Orbit's StandardTrainer /
+StandardEvaluator): an execution of ``n`` replica steps inside one
+``tf.function``, for every backend through `tfdist.backend.Backend`. It honours
+what the user compiled: the loss (via the model's own ``compute_loss``, so
+loss objects of any reduction, ``loss_weights``, several outputs and
+``model.losses`` regularisers all count as Keras counts them), the compiled
+metrics, and the optimizer with its own schedule and ``clipnorm``.
+
+Per step the only collective is the gradient all-reduce (`Backend.
+finish_gradients`). Gradients are summed across replicas *before* the
+optimizer sees them, so ``clipnorm`` and a `LossScaleOptimizer`'s finite check
+act on the all-reduced gradients and every replica and worker takes the same
+apply-or-skip decision. Keras 3's optimizer would sum again
+(``_all_reduce_sum_gradients``, keras/src/backend/tensorflow/optimizer.py);
+tfdist turns that off on the optimizer instances it trains.
+
+Loss and metric statistics are accumulated per replica as the *deltas* of the
+metrics' own state (Keras metrics keep sum/count state), carried through the
+execution as one flat vector and reduced once per execution. Replica-local,
+float, non-trainable state (BatchNormalization's moving statistics) is
+averaged across replicas once per execution; that equals averaging every step
+because the moving-average update is affine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from tfdist.backend import Backend, tf_variable
+
+NUM_SCALARS = 3  # examples, non-finite losses, stop requests.
+
+
+class MetricLayout:
+    """Where each of the model's metric variables sits in the flat totals vector."""
+
+    def __init__(self, model: keras.Model):
+        self.metrics = list(model.metrics)
+        self.variables = [v for m in self.metrics for v in m.variables]
+        self.shapes = [tuple(v.shape) for v in self.variables]
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self.size = NUM_SCALARS + sum(self.sizes)
+
+    def zeros(self) -> list[tf.Tensor]:
+        return [tf.zeros(v.shape, v.dtype) for v in self.variables]
+
+    def pack(self, scalars: Sequence[tf.Tensor], values: Sequence[tf.Tensor]) -> tf.Tensor:
+        parts = [tf.cast(tf.reshape(s, [1]), tf.float32) for s in scalars]
+        parts += [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in values]
+        return tf.concat(parts, 0)
+
+    def results(self, totals: np.ndarray, prefix: str = "") -> dict[str, float]:
+        """Keras' own names and values (`Model.get_metrics_result`) for summed states."""
+        values, offset = [], NUM_SCALARS
+        for shape, size, variable in zip(self.shapes, self.sizes, self.variables):
+            values.append(np.asarray(totals[offset:offset + size], variable.dtype).reshape(shape))
+            offset += size
+        logs: dict[str, float] = {}
+        start = 0
+        for metric in self.metrics:
+            count = len(metric.variables)
+            result = metric.stateless_result(values[start:start + count])
+            start += count
+            items = result.items() if isinstance(result, dict) else [(metric.name, result)]
+            for name, value in items:
+                logs[prefix + name] = float(np.asarray(value))
+        return logs
+
+
+def _batch_size(x: Any) -> tf.Tensor:
+    return tf.shape(tf.nest.flatten(x)[0])[0]
+
+
+def _unpack(data: Any) -> tuple:
+    if isinstance(data, (tuple, list)):
+        data = tuple(data) + (None,) * (3 - len(data))
+        return data[0], data[1], data[2]
+    return data, None, None
+
+
+def _keras_replicas() -> int:
+    """The replica count Keras divides losses by (see keras.src.losses.loss.scale_loss_for_distribution)."""
+    return int(tf.distribute.get_strategy().num_replicas_in_sync)
+
+
+def _optimizers(optimizer: Any) -> list:
+    found = [optimizer]
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        found.append(inner)
+    return found
+
+
+def disable_keras_gradient_sum(optimizer: Any) -> None:
+    """Stops Keras' optimizer from summing gradients across replicas (tfdist already did)."""
+    for opt in _optimizers(optimizer):
+        opt._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+
+
+def _add_grads(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return a if b is None else b
+    if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
+        a, b = (tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in (a, b))
+    return a + b
+
+
+def synced_state(model: keras.Model) -> list:
+    """Replica-local float state that replicas must agree on (e.g. BatchNormalization statistics)."""
+    found = []
+    for variable in model.non_trainable_variables:
+        value = tf_variable(variable)
+        if value.dtype.is_floating and getattr(value, "aggregation", None) == tf.VariableAggregation.NONE:
+            found.append(variable)
+    return found
+
+
+class StepFunctions:
+    """The compiled training and evaluation executions for one model under one backend."""
+
+    def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable):
+        self.model = model
+        self.backend = backend
+        self.optimizer = model.optimizer
+        self.accum = grad_accum_steps
+        self.step_counter = step_counter
+        self.layout = MetricLayout(model)
+        self.synced = synced_state(model)
+        disable_keras_gradient_sum(self.optimizer)
+        self.train_chunk = backend.compile(self._train_chunk)
+        self.eval_chunk = backend.compile(self._eval_chunk)
+
+    # Training ---------------------------------------------------------------
+    def _tracked_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool, mask: Any = None):
+        """Runs the model's compute_loss and its metric updates; returns (loss, metric deltas)."""
+        model, layout = self.model, self.layout
+        zeros = layout.zeros()
+        with StatelessScope(state_mapping=list(zip(layout.variables, zeros))) as scope:
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+            unscaled = tf.cast(loss, tf.float32) * float(_keras_replicas())
+            yield_loss = loss
+            if training:
+                model._loss_tracker.update_state(unscaled, sample_weight=_batch_size(x))
+                if model._compile_metrics is not None:
+                    model._compile_metrics.update_state(y, y_pred, sample_weight)
+            else:
+                self._eval_updates(x, y, y_pred, sample_weight, unscaled, mask)
+        deltas = []
+        for variable, zero in zip(layout.variables, zeros):
+            value = scope.get_current_value(variable)
+            deltas.append(zero if value is None else value)
+        return yield_loss, unscaled, deltas
+
+    def _forward_backward(self, x: Any, y: Any, sample_weight: Any):
+        model = self.model
+        variables = model.trainable_variables
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss, unscaled, deltas = self._tracked_loss(x, y, y_pred, sample_weight, training=True)
+            # Keras divides by the replicas it sees; backends it cannot see (Horovod)
+            # divide the rest, and accumulation averages its micro-batches.
+            loss = loss / float(self.accum * self.backend.loss_divisor)
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, variables)
+        finite = tf.math.is_finite(unscaled)
+        deltas = [tf.where(finite, d, tf.zeros_like(d)) for d in deltas]
+        return grads, deltas, 1.0 - tf.cast(finite, tf.float32), _batch_size(x)
+
+    def _micro_batches(self, data: Any) -> list:
+        if self.accum == 1:
+            return [data]
+        k = self.accum
+
+        def split(t: tf.Tensor) -> tf.Tensor:
+            return tf.reshape(t, tf.concat([[k, -1], tf.shape(t)[1:]], 0))
+
+        stacked = tf.nest.map_structure(split, data)
+        return [tf.nest.map_structure(lambda t, i=i: t[i], stacked) for i in range(k)]
+
+    def _replica_train_step(self, data: Any, stop: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
+        grads, deltas, nonfinite, examples = None, None, 0.0, 0
+        for micro in self._micro_batches(data):
+            x, y, sample_weight = _unpack(micro)
+            g, d, n, b = self._forward_backward(x, y, sample_weight)
+            grads = g if grads is None else [_add_grads(a, c) for a, c in zip(grads, g)]
+            deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
+            nonfinite += n
+            examples += b
+        variables = self.model.trainable_variables
+        grads = self.backend.finish_gradients(grads)
+        self.optimizer.apply(grads, variables)
+        self.step_counter.assign_add(1)
+        return totals + self.layout.pack([examples, tf.minimum(nonfinite, 1.0), stop], deltas)
+
+    def _zeros(self) -> tf.Tensor:
+        return tf.zeros([self.layout.size], tf.float32)
+
+    def _train_chunk(self, iterator: Any, num_steps: tf.Tensor, stop: tf.Tensor) -> tf.Tensor:
+        backend = self.backend
+        totals = backend.run(self._zeros, ())
+        for _ in tf.range(num_steps):
+            # One step at a time: collectives of two steps in flight at once would
+            # collide (Horovod names its all-reduces by graph node).
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+            totals = backend.run(self._replica_train_step, (next(iterator), stop, totals))
+        backend.sync_replica_state(self.synced)
+        return backend.reduce_sum(totals)
+
+    # Evaluation -------------------------------------------------------------
+    def _eval_updates(self, x: Any, y: Any, y_pred: Any, weight: Any, unscaled: tf.Tensor, mask: tf.Tensor) -> None:
+        """Keras' test_step updates, exact over padded batches (`mask` marks the real examples)."""
+        model = self.model
+        real = tf.reduce_sum(mask)
+        size = tf.cast(_batch_size(x), tf.float32)
+        regularisation = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in model.losses]) \
+            if model.losses else tf.constant(0.0)
+        # compute_loss divided the weighted sum by the padded batch size: undo that.
+        per_example = ((unscaled - regularisation) * size + regularisation * real) / tf.maximum(real, 1.0)
+        model._loss_tracker.update_state(per_example, sample_weight=real)
+        if model._compile_metrics is not None:
+            model._compile_metrics.update_state(y, y_pred, weight)
+
+    def _replica_eval_step(self, data: Any, totals: tf.Tensor) -> tf.Tensor:
+        x, y, weight, mask = data
+        y_pred = self.model(x, training=False)
+        _, _, deltas = self._tracked_loss(x, y, y_pred, weight, training=False, mask=mask)
+        return totals + self.layout.pack([tf.reduce_sum(mask), 0.0, 0.0], deltas)
+
+    def _eval_chunk(self, iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
+        backend = self.backend
+        totals = backend.run_eval(self._zeros, ())
+        for _ in tf.range(num_steps):
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+            totals = backend.run_eval(self._replica_eval_step, (next(iterator), totals))
+        return backend.reduce_eval(totals)
+
+
+def check_model(model: keras.Model, error: Callable[[str], Exception]) -> None:
+    """Refuses models tfdist cannot train faithfully, before any step."""
+    from keras.src.trainers.trainer import Trainer
+
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise error("The model is not compiled; call model.compile(optimizer=..., loss=..., metrics=...) under "
+                    "the strategy's scope before tfdist.fit.")
+    base = type(model).__mro__
+    for name in ("train_step", "test_step"):
+        own = getattr(type(model), name)
+        keras_own = [getattr(c, name) for c in base if c.__module__.startswith("keras.src.backend.tensorflow")
+                     and name in c.__dict__]
+        if keras_own and own is not keras_own[0]:
+            raise error(
+                f"{type(model).__name__} overrides {name}(); tfdist.fit runs its own distributed step (the "
+                "gradient all-reduce, loss scaling and metric reduction happen there), so a custom "
+                f"{name} cannot be honoured. Move custom loss logic into compute_loss() (which tfdist calls) "
+                "or train with your own loop.")
+    del Trainer
+    for metric in model.metrics:
+        for variable in metric.variables:
+            if not variable.dtype.startswith("float") or variable.aggregation != "sum":
+                raise error(
+                    f"Metric {metric.name!r} keeps state ({variable.path}, {variable.dtype}, aggregation "
+                    f"{variable.aggregation}) that cannot be summed across replicas; tfdist.fit supports metrics "
+                    "whose state is float sums (Keras' Mean-, Sum- and confusion-count-based metrics).")
