@@ -30,7 +30,7 @@ def test_defaults_reach_accuracy_and_fill_the_workdir(tmp_path):
     assert (metrics["num_replicas"], metrics["num_workers"], metrics["steps"]) == (1, 1, 5 * 62)
     workdir = tmp_path / "run"
     assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "metrics.json",
-                                           "model.keras", "tensorboard"]
+                                           "model.keras", "plan.json", "tensorboard"]
     saved = json.loads((workdir / "metrics.json").read_text())
     for key in ("strategy", "num_replicas", "num_workers", "precision", "global_batch_size", "steps", "epochs",
                 "eval_accuracy", "eval_loss", "train_examples_per_sec", "wall_seconds", "weights_fingerprint"):
@@ -135,9 +135,9 @@ def test_noresume_never_overwrites(tmp_path):
     run(tmp_path, max_steps=10)
     workdir = tmp_path / "run"
     before = (_snapshot(workdir), _snapshot(workdir / "checkpoints"))
-    with pytest.raises(UserError, match="already holds checkpoint ckpt-10 and --noresume was given"):
+    with pytest.raises(UserError, match="already holds checkpoint ckpt-10 and resuming is off"):
         run(tmp_path, max_steps=10, resume=False)
-    with pytest.raises(UserError, match=r"--global_batch_size \(was None, now 64\) changed what a training step"):
+    with pytest.raises(UserError, match=r"global_batch \(was 128, now 64\).*steps_per_epoch \(was 62, now 125\).*changed what a training step"):
         run(tmp_path, max_steps=10, global_batch_size=64)
     assert (_snapshot(workdir), _snapshot(workdir / "checkpoints")) == before
 

@@ -1,8 +1,39 @@
-"""tfdist: TensorFlow/Keras 3 distributed training that works the same on every backend.
+"""tfdist: the Keras 3 training loop that works under every tf.distribute strategy and Horovod.
 
-Entry points: `tfdist-train` (tfdist.cli.train), `tfdist-launch` (tfdist.cli.launch),
-`tfdist-env` (tfdist.cli.env). Library: `tfdist.train.train_and_evaluate(TrainConfig(...))`.
-Importing this package does not import TensorFlow.
+  import tfdist
+  strategy = tfdist.make_strategy("auto")
+  with strategy.scope():
+      model = ...; model.compile(...)
+  history = tfdist.fit(model, x, y, batch_size=64, epochs=10, validation_data=(xv, yv))
+
+Public names: `make_strategy`, `fit`, `UserError` (what bad input raises; a
+`ValueError`), `Preempted` (raised after SIGTERM saved a checkpoint).
+Entry points: `tfdist-train` (the MNIST program, tfdist.cli.train),
+`tfdist-launch`, `tfdist-env`. Importing this package does not import
+TensorFlow; the first use of a public name does.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.2.0"
+__all__ = ["make_strategy", "fit", "UserError", "Preempted"]
+
+from tfdist.errors import UserError  # noqa: E402  (no TensorFlow import)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "make_strategy":
+        from tfdist.strategies import make_strategy
+
+        return make_strategy
+    if name == "fit":
+        from tfdist.fitting import fit
+
+        return fit
+    if name == "Preempted":
+        from tfdist.loop import Preempted
+
+        return Preempted
+    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

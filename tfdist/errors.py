@@ -9,7 +9,7 @@ paragraph and exit non-zero without a traceback; every other exception is a bug
 from __future__ import annotations
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A problem the user can fix; its message names the problem and the fix."""
 
     exit_code: int = 2

@@ -258,10 +258,11 @@ def fit(
             latest = rundir.latest_checkpoint()
             if latest is not None and resume is False:
                 raise UserError(f"--workdir={workdir} already holds checkpoint {os.path.basename(latest)} and "
-                                "resume=False; tfdist never overwrites a run. Pick a new workdir, or allow resuming.")
+                                "resuming is off (--noresume / resume=False); tfdist never overwrites a run. Pick a "
+                                "new --workdir, or drop --noresume to continue this run.")
             if latest is None and resume:
-                raise UserError(f"resume=True but {rundir.join('checkpoints')} holds no checkpoint; drop it to start "
-                                "a new run.")
+                raise UserError(f"--resume was given but {rundir.join('checkpoints')} holds no checkpoint; drop "
+                                "--resume (resume=True) to start a new run.")
             if latest is not None:
                 check_resume(workdir, plan)
                 checkpoint.restore(latest).assert_existing_objects_matched()

@@ -142,7 +142,10 @@ class StepFunctions:
         """Runs the model's compute_loss and its metric updates; returns (loss, metric deltas)."""
         model, layout = self.model, self.layout
         zeros = layout.zeros()
-        with StatelessScope(state_mapping=list(zip(layout.variables, zeros))) as scope:
+        # Metric state starts from zero (its deltas are what is collected); model
+        # weights read as themselves (regularisers read them inside the scope).
+        weights = [(v, v.value) for v in model.variables]
+        with StatelessScope(state_mapping=weights + list(zip(layout.variables, zeros))) as scope:
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
             unscaled = tf.cast(loss, tf.float32) * float(_keras_replicas())
             yield_loss = loss

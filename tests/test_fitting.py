@@ -1,0 +1,198 @@
+"""tfdist.fitting (tfdist.fit / make_strategy): any compiled Keras 3 model, in this process.
+
+Equivalence tests use plain SGD: Adam's update ignores a constant factor on
+every gradient, so it would hide a wrong division by the replica count.
+"""
+
+import importlib.util
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.conftest import REPO
+from tfdist import data, strategies
+
+DIGITS = data.load_dataset("mnist")
+
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLE = load_example("dict_inputs")
+
+
+def dense_model(seed=0, optimizer=None, **compile_args):
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(32, activation="relu",
+                                                 kernel_initializer=keras.initializers.GlorotUniform(seed)),
+                              keras.layers.Dense(10, kernel_initializer=keras.initializers.GlorotUniform(seed + 1))])
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  **compile_args)
+    return model
+
+
+# Collective all-reduces of different strategy instances collide in one process (TensorFlow keys
+# them per instance); real runs have one strategy, and the examples run the default all-reduce
+# in their own processes (test_examples.py). In this process, mirrored runs reduce to one device.
+MIRRORED = {"all_reduce": "reduce_to_one"}
+
+X = DIGITS.train_images[:2048].astype("float32") / 255.0
+Y = DIGITS.train_labels[:2048]
+
+
+def sgd_weights(name, grad_accum_steps=1, **options):
+    strategy = tfdist.make_strategy(name, precision="float32", **options)
+    with strategy.scope():
+        model = dense_model(optimizer=keras.optimizers.SGD(0.5, clipnorm=None))
+    tfdist.fit(model, X, Y, batch_size=64, epochs=1, max_steps=8, grad_accum_steps=grad_accum_steps, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def test_replicas_and_accumulation_give_the_same_sgd_update():
+    one = sgd_weights("default")
+    two = sgd_weights("mirrored", num_cpu_replicas=2, **MIRRORED)
+    # Collectives of different group sizes collide in one process; real runs have one strategy.
+    four = sgd_weights("mirrored", num_cpu_replicas=4, **MIRRORED)
+    accumulated = sgd_weights("default", grad_accum_steps=4)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(one, sgd_weights("default", grad_accum_steps=1)))
+    assert moved == 0.0  # Deterministic on one device.
+    for other in (two, four, accumulated):
+        for a, b in zip(one, other):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    # A wrong scale by the replica count would move SGD weights far more than this.
+    start = dense_model().get_weights()
+    assert max(float(np.max(np.abs(a - s))) for a, s in zip(one, start)) > 1e-2
+
+
+def test_dict_model_matches_keras_fit_and_reports_keras_keys():
+    features = EXAMPLE.features
+    train_x, val_x = features(DIGITS.train_images), features(DIGITS.eval_images)
+    keras.utils.set_random_seed(0)
+    reference = EXAMPLE.build_model()
+    reference.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+    expected = reference.fit(train_x, DIGITS.train_labels, batch_size=64, epochs=3, verbose=0,
+                             validation_data=(val_x, DIGITS.eval_labels)).history
+    results = {}
+    for name, options in (("default", {}), ("mirrored", {"num_cpu_replicas": 2, **MIRRORED})):
+        strategy = tfdist.make_strategy(name, precision="float32", **options)
+        with strategy.scope():
+            model = EXAMPLE.build_model()
+            model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy",
+                          metrics=["accuracy"])
+        history = tfdist.fit(model, train_x, DIGITS.train_labels, batch_size=64, epochs=3, verbose=0,
+                             validation_data=(val_x, DIGITS.eval_labels)).history
+        assert set(history) == set(expected)
+        assert len(history["loss"]) == 3
+        results[name] = history["val_accuracy"][-1]
+        assert abs(results[name] - expected["val_accuracy"][-1]) <= 0.02, (results, expected)
+    assert min(results.values()) >= 0.9
+
+
+def test_validation_metrics_count_every_example_once():
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=3, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = dense_model()
+    val_x, val_y = DIGITS.eval_images[:1001].astype("float32") / 255.0, DIGITS.eval_labels[:1001]
+    history = tfdist.fit(model, X, Y, batch_size=96, epochs=1, validation_data=(val_x, val_y), verbose=0)
+    logits = model.predict(val_x, verbose=0)
+    accuracy = float(np.mean(np.argmax(logits, -1) == val_y))
+    assert history.history["val_accuracy"][-1] == pytest.approx(accuracy, abs=1e-6)
+    loss = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(val_y, logits))
+    assert history.history["val_loss"][-1] == pytest.approx(loss, rel=1e-4)
+
+
+def test_loss_scaling_skips_an_overflow_on_one_replica_everywhere():
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="mixed_float16", **MIRRORED)
+    try:
+        with strategy.scope():
+            model = dense_model(optimizer=keras.optimizers.SGD(0.1))
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        x = X[:64].copy()
+        x[40] = 1e5  # Global batch 0, replica 1's half only: float16 overflows there.
+        before = [np.asarray(w) for w in model.get_weights()]
+        scale = float(model.optimizer.initial_scale)
+        tfdist.fit(model, x, Y[:64], batch_size=64, epochs=1, max_steps=1, seed=0, verbose=0)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert float(model.optimizer.dynamic_scale.numpy()) == scale / 2
+    backend = strategies.backend_of(strategy)
+    for variable, start in zip(model.weights, before):
+        replicas = backend.local_replica_values(variable)
+        assert all(np.isfinite(r).all() for r in replicas)
+        np.testing.assert_array_equal(replicas[0], replicas[1])
+        np.testing.assert_array_equal(replicas[0], start)  # The step was skipped, not half-applied.
+
+
+def test_batch_norm_statistics_stay_identical_across_replicas():
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = EXAMPLE.build_model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    tfdist.fit(model, EXAMPLE.features(DIGITS.train_images[:640]), DIGITS.train_labels[:640], batch_size=64,
+               epochs=1, verbose=0)
+    backend = strategies.backend_of(strategy)
+    moving = [v for v in model.non_trainable_variables if "moving" in v.path]
+    assert moving
+    for variable in moving:
+        first, second = backend.local_replica_values(variable)
+        np.testing.assert_array_equal(first, second)
+        assert np.abs(first).sum() > 0
+
+
+def bad(match, *args, **kwargs):
+    with pytest.raises(tfdist.UserError, match=match) as error:
+        tfdist.fit(*args, **kwargs)
+    assert isinstance(error.value, ValueError)
+    assert "\n" not in str(error.value)
+
+
+def test_bad_input_is_refused_before_training():
+    tfdist.make_strategy("default", precision="float32")
+    uncompiled = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    bad("not compiled", uncompiled, np.zeros((8, 2)), np.zeros(8), batch_size=4)
+    model = dense_model()
+    bad(r"disagree on the number of examples \(x: 64, y: 63\)", model, X[:64], Y[:63], batch_size=32)
+    bad(r"batch_size=0", model, X[:64], Y[:64], batch_size=0)
+    bad(r"validation_data must be a tuple", model, X[:64], Y[:64], batch_size=32, validation_data=X[:10])
+    dict_model = EXAMPLE.build_model()
+    dict_model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    bad(r"keys of x/y \(image, pixels\) do not match the model's inputs \(image, rows\)", dict_model,
+        {"image": DIGITS.train_images[:8], "pixels": np.zeros((8, 28), "int32")}, DIGITS.train_labels[:8],
+        batch_size=4)
+
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return {}
+
+    inputs = keras.Input((2,))
+    custom = Custom(inputs, keras.layers.Dense(1)(inputs))
+    custom.compile(optimizer="sgd", loss="mse")
+    bad(r"overrides train_step\(\)", custom, np.zeros((8, 2)), np.zeros(8), batch_size=4)
+
+
+def test_model_built_outside_the_scope_is_refused():
+    outside = dense_model()
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    bad("not built under the strategy's scope", outside, X[:64], Y[:64], batch_size=64, strategy=strategy)
+    with strategy.scope():
+        inside = dense_model()
+    bad(r"batch_size=1 is smaller than the number of replicas \(2\)", inside, X[:64], Y[:64], batch_size=1)
+
+
+def test_make_strategy_returns_the_tf_strategy_and_refuses_unknown_options():
+    assert isinstance(tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED),
+                      tf.distribute.MirroredStrategy)
+    with pytest.raises(tfdist.UserError, match="unknown option"):
+        tfdist.make_strategy("mirrored", replicas=2)
+    with pytest.raises(tfdist.UserError, match="not a known strategy"):
+        tfdist.make_strategy("mirror")
