@@ -81,7 +81,11 @@ class StopRequest:
 
 @dataclasses.dataclass(frozen=True)
 class LoopPlan:
-    """The resolved numbers of one run. `resume_fields()` must match for a resume."""
+    """The resolved numbers of one run. `resume_fields()` must match for a resume.
+
+    ``total_steps`` is not among them: a run stopped early by ``max_steps`` may
+    be continued further with a larger one.
+    """
 
     global_batch: int
     per_replica_batch: int
@@ -96,9 +100,9 @@ class LoopPlan:
 
     def resume_fields(self) -> dict[str, Any]:
         fields = {
-            "global_batch": self.global_batch, "micro_batch": self.micro_batch,
+            "global_batch": self.global_batch,
             "grad_accum_steps": self.grad_accum_steps, "steps_per_epoch": self.steps_per_epoch,
-            "epochs": self.epochs, "total_steps": self.total_steps, "seed": self.seed,
+            "epochs": self.epochs, "seed": self.seed,
         }
         fields.update(dict(self.extra))
         return json.loads(json.dumps(fields))  # What a JSON round trip keeps.
