@@ -50,6 +50,8 @@ def assert_user_error(result, *fragments):
         (["--strategy=parameter_server", "--num_cpu_replicas=2"], ["--num_cpu_replicas applies to --strategy=mirrored"]),
         (["--strategy=parameter_server", "--all_reduce=ring"], ["--all_reduce=ring has no effect with --strategy=parameter_server"]),
         (["--strategy=mirrored", "--ps_shards=2"], ["--ps_shards applies to --strategy=parameter_server"]),
+        (["--num_cpu_replicas=2", "--all_reduce=ring"],
+         ["--strategy=auto chose mirrored", "--all_reduce='ring' is not valid with --strategy=mirrored"]),
     ],
 )
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, fragments):
