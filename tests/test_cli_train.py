@@ -139,10 +139,34 @@ def test_killed_run_resumes_at_its_checkpoint(tmp_path):
     assert 0 < step < 310 and not (tmp_path / "w" / "metrics.json").exists()
     result = run_train([f"--workdir={tmp_path / 'w'}", *SLOW], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The killed run's lock died with it (the kernel released it); its record is taken over.
+    assert f"Took over the lock of --workdir={tmp_path / 'w'} from a run that is gone" in result.stderr
+    assert f"pid {proc.pid}," in result.stderr
     assert re.search(rf"Resuming from checkpoint \S+ckpt-{step} at step {step}\.", result.stderr)
     metrics = json.loads((tmp_path / "w" / "metrics.json").read_text())
     assert (metrics["resumed_from_step"], metrics["steps"]) == (step, 310)
     assert metrics["eval_accuracy"] >= 0.97
+
+
+def test_second_run_on_a_live_workdir_is_refused_at_once(tmp_path):
+    proc = _start(tmp_path, *SLOW)
+    try:
+        _wait_for_checkpoint(tmp_path, proc)
+        start = time.time()
+        second = run_train([f"--workdir={tmp_path / 'w'}", *SLOW], timeout=120)
+        assert time.time() - start < 30
+        assert_user_error(second, f"--workdir={tmp_path / 'w'} is in use by another live run (host ",
+                          f"pid {proc.pid}, since ")
+        assert proc.poll() is None, "the first run did not survive the second"
+        before = _latest_step(tmp_path)
+        deadline = time.time() + 120
+        while _latest_step(tmp_path) == before and time.time() < deadline:  # It still checkpoints.
+            assert proc.poll() is None
+            time.sleep(0.1)
+        assert _latest_step(tmp_path) > before
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def test_sigterm_saves_then_resumes(tmp_path):

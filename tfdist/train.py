@@ -113,7 +113,9 @@ def train_and_evaluate(
     try:
         if backend.serve():  # A task that only serves (parameter-server jobs) is done here.
             return {"task": backend.task_label, "served": True}
-        return _Run(config, backend, digits).run(start)
+        run = _Run(config, backend, digits)
+        with run.rundir:  # tfdist.workdir: failed writes become WriteError; lock and scratch released on any exit.
+            return run.run(start)
     finally:
         backend.shutdown()
 
@@ -247,7 +249,7 @@ class _Run:
         # What the steps themselves counted, before the exact host count is stored.
         self.device_step_count = int(self.step_var.numpy())
         self.step_var.assign(self.step)
-        path = self.manager.save(checkpoint_number=self.step)
+        path = self.rundir.save_checkpoint(self.manager, self.step)  # A failed write: WriteError.
         if self.backend.is_chief:
             logging.info("Saved checkpoint %s at step %d.", path, self.step)
         return path if self.backend.is_chief else None
