@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, SHARED_MNIST, run_train, subprocess_env
+from tests.conftest import REPO, run_train, subprocess_env
 from tests.idx_files import write_mnist_dir
 from tfdist import data
 
@@ -72,17 +72,17 @@ def test_corrupt_idx_dataset_names_the_file(tmp_path):
 
 
 def test_idx_directory_of_real_files_trains(tmp_path):
-    """The real, published t10k IDX files (one gzip, one plain) plus a train split."""
+    """The real, published t10k IDX files bundled with tfdist (one gzip, one plain) plus a train split."""
     directory = tmp_path / "idx"
     digits = data.load_dataset("mnist")
     write_mnist_dir(str(directory), digits.train_images[..., 0], digits.train_labels,
                     digits.eval_images[:1, ..., 0], digits.eval_labels[:1])
     for name in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         os.remove(directory / name)
-    shutil.copy(os.path.join(SHARED_MNIST, "t10k-images-idx3-ubyte.gz"), directory)
+    shutil.copy(os.path.join(data.BUNDLED_DIR, "t10k-images-idx3-ubyte.gz"), directory)
     import gzip
 
-    with gzip.open(os.path.join(SHARED_MNIST, "t10k-labels-idx1-ubyte.gz")) as f:
+    with gzip.open(os.path.join(data.BUNDLED_DIR, "t10k-labels-idx1-ubyte.gz")) as f:
         (directory / "t10k-labels-idx1-ubyte").write_bytes(f.read())
     result = run_train([f"--workdir={tmp_path / 'w'}", f"--dataset=idx:{directory}", "--epochs=3"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
