@@ -60,6 +60,7 @@ def test_epochs_reshuffle_and_resume_skips_exactly():
     ctx = contexts(1)[0]
     full = [b[1].numpy() for b in fn(0)(ctx).take(200)]
     resumed = [b[1].numpy() for b in fn(123)(ctx).take(77)]
+    assert (len(full), len(resumed)) == (200, 77)  # zip() below would quietly compare fewer.
     for a, b in zip(full[123:], resumed):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(np.concatenate(full[:80]), np.concatenate(full[80:160]))  # Reshuffled.

@@ -213,6 +213,22 @@ def test_precision_on_tpu():
         strategies.build_backend(TrainConfig(strategy="tpu", tpu="local", precision="mixed_float16"))
 
 
+class SpecRecordingBackend(Backend):
+    """A backend that records the `element_spec` of every per-replica dataset it is given."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.specs = []
+
+    def distribute_dataset(self, dataset_fn):
+        def recording(context):
+            dataset = dataset_fn(context)
+            self.specs.append(dataset.element_spec)
+            return dataset
+
+        return super().distribute_dataset(recording)
+
+
 def test_tpu_policy_trains_with_static_shapes_on_cpu(tmp_path):
     """The loop as it runs on a TPU (bfloat16, 100 steps per execution, static
     batches everywhere), on the CPU through a backend that reports a TPU."""
@@ -221,12 +237,22 @@ def test_tpu_policy_trains_with_static_shapes_on_cpu(tmp_path):
                          full.eval_images[:1001], full.eval_labels[:1001])
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
                                               cross_device_ops=tf.distribute.ReductionToOneDevice())
-    backend = Backend("tpu", strategy, "tpu")
+    backend = SpecRecordingBackend("tpu", strategy, "tpu")
     config = TrainConfig(workdir=str(tmp_path / "w"), epochs=2, global_batch_size=64)
     metrics = train.train_and_evaluate(config, backend=backend, digits=digits)
     assert (metrics["precision"], metrics["steps_per_execution"]) == ("mixed_bfloat16", 100)
     assert metrics["steps"] == 2 * (4096 // 64) and metrics["eval_examples"] == 1001
     assert metrics["eval_accuracy"] > 0.9
+    # What a TPU would be fed: every tensor of every input pipeline has a fully static shape,
+    # the batch dimension included (1001 eval digits do not fill whole batches: padded, not cut).
+    assert backend.specs, "no input pipeline was built through the backend"
+    shapes = {tuple(spec.shape.as_list()) for specs in backend.specs for spec in tf.nest.flatten(specs)}
+    assert all(None not in shape for shape in shapes), shapes
+    train_specs = [specs for specs in backend.specs if len(tf.nest.flatten(specs)) == 2]
+    eval_specs = [specs for specs in backend.specs if len(tf.nest.flatten(specs)) == 3]
+    assert train_specs and eval_specs, backend.specs
+    assert {tuple(s[0].shape.as_list()) for s in train_specs} == {(32, 28, 28, 1)}  # 64 over 2 replicas.
+    assert all(s[0].shape[0] == s[1].shape[0] == s[2].shape[0] for s in eval_specs)
 
 
 def test_cli_without_a_tpu_fails_within_seconds(tmp_path):
