@@ -204,6 +204,23 @@ def test_a_failed_summary_write_in_the_loop_becomes_a_write_error(tmp_path):
     assert not (tmp_path / "w" / ".lock").exists()
 
 
+def test_a_damaged_file_in_the_workdir_is_not_called_a_failed_write(tmp_path):
+    index = tmp_path / "w" / "checkpoints" / "ckpt-10.index"
+    with pytest.raises(workdir.WriteError) as e:
+        with workdir.RunDir(str(tmp_path / "w"), is_chief=True):
+            raise tf.errors.DataLossError(None, None, f"Unable to open table file {index}: Data loss: not an sstable")
+    assert str(e.value).startswith(f"Could not read or write {index}: Unable to open table file {index}: Data loss")
+
+
+def test_temporaries_of_a_killed_save_are_removed_under_the_lock(tmp_path):
+    checkpoints = tmp_path / "w" / "checkpoints"
+    (checkpoints / "ckpt-30_temp").mkdir(parents=True)
+    (checkpoints / "ckpt-30_temp" / "part-00000-of-00001.data-00000-of-00001.tempstate1").write_bytes(b"x" * 100)
+    (checkpoints / "ckpt-20.index").write_bytes(b"kept")
+    with workdir.RunDir(str(tmp_path / "w"), is_chief=True):
+        assert os.listdir(checkpoints) == ["ckpt-20.index"]
+
+
 def test_other_errors_pass_through_unchanged(tmp_path):
     elsewhere = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[1000000000]")
     with pytest.raises(tf.errors.ResourceExhaustedError):

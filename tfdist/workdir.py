@@ -123,7 +123,13 @@ class RunDir:
             if isinstance(exc, WRITE_ERRORS) and not isinstance(exc, WriteError):
                 path = self._path_named_by(exc)
                 if path is not None:
-                    raise self._write_error(path, path, exc) from None
+                    # Outside the write methods the failing operation may have been a read
+                    # (restoring a damaged checkpoint), unless the cause is a write's.
+                    surely_a_write = isinstance(exc, (tf.errors.ResourceExhaustedError,
+                                                      tf.errors.PermissionDeniedError)) or (
+                        isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS))
+                    raise self._write_error(path, path, exc, verb="write" if surely_a_write else "read or write"
+                                            ) from None
         finally:
             self.cleanup()
 
@@ -135,7 +141,8 @@ class RunDir:
         if isinstance(error, OSError):
             names = [str(error.filename)] if error.filename else []
         else:
-            names = re.findall(r"[^\s;,'\"]+", getattr(error, "message", None) or str(error))
+            text = getattr(error, "message", None) or str(error)
+            names = [name.rstrip(":.") for name in re.findall(r"[^\s;,'\"]+", text)]
         for name in names:
             if any(name == root or name.startswith(root.rstrip("/") + "/") for root in roots):
                 return name
@@ -254,10 +261,10 @@ class RunDir:
                 self._remove(pattern)
             raise self._write_error(what, path, e) from None
 
-    def _write_error(self, what: str, path: str, error: BaseException) -> WriteError:
+    def _write_error(self, what: str, path: str, error: BaseException, verb: str = "write") -> WriteError:
         target = f"{what} to {path}" if what != path else path
         return WriteError(
-            f"Could not write {target}: {_cause(error)}. {self._last_good()} {_advice(error).capitalize()} "
+            f"Could not {verb} {target}: {_cause(error)}. {self._last_good()} {_advice(error).capitalize()} "
             "and rerun the same command to resume."
         )
 
