@@ -24,7 +24,6 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 assert len(tf.config.list_logical_devices("CPU")) == NUM_LOGICAL_CPUS  # Initialises the runtime: fixed from here on.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_MNIST = os.path.join(REPO, "..", "shared", "data", "mnist")
 
 
 @pytest.fixture(autouse=True)

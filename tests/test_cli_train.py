@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, SHARED_MNIST, run_train, subprocess_env
+from tests.conftest import REPO, run_train, subprocess_env
 from tests.idx_files import write_mnist_dir
 from tfdist import data
 
@@ -50,6 +50,8 @@ def assert_user_error(result, *fragments):
         (["--strategy=parameter_server", "--num_cpu_replicas=2"], ["--num_cpu_replicas applies to --strategy=mirrored"]),
         (["--strategy=parameter_server", "--all_reduce=ring"], ["--all_reduce=ring has no effect with --strategy=parameter_server"]),
         (["--strategy=mirrored", "--ps_shards=2"], ["--ps_shards applies to --strategy=parameter_server"]),
+        (["--num_cpu_replicas=2", "--all_reduce=ring"],
+         ["--strategy=auto chose mirrored", "--all_reduce='ring' is not valid with --strategy=mirrored"]),
     ],
 )
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, fragments):
@@ -70,17 +72,17 @@ def test_corrupt_idx_dataset_names_the_file(tmp_path):
 
 
 def test_idx_directory_of_real_files_trains(tmp_path):
-    """The real, published t10k IDX files (one gzip, one plain) plus a train split."""
+    """The real, published t10k IDX files bundled with tfdist (one gzip, one plain) plus a train split."""
     directory = tmp_path / "idx"
     digits = data.load_dataset("mnist")
     write_mnist_dir(str(directory), digits.train_images[..., 0], digits.train_labels,
                     digits.eval_images[:1, ..., 0], digits.eval_labels[:1])
     for name in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         os.remove(directory / name)
-    shutil.copy(os.path.join(SHARED_MNIST, "t10k-images-idx3-ubyte.gz"), directory)
+    shutil.copy(os.path.join(data.BUNDLED_DIR, "t10k-images-idx3-ubyte.gz"), directory)
     import gzip
 
-    with gzip.open(os.path.join(SHARED_MNIST, "t10k-labels-idx1-ubyte.gz")) as f:
+    with gzip.open(os.path.join(data.BUNDLED_DIR, "t10k-labels-idx1-ubyte.gz")) as f:
         (directory / "t10k-labels-idx1-ubyte").write_bytes(f.read())
     result = run_train([f"--workdir={tmp_path / 'w'}", f"--dataset=idx:{directory}", "--epochs=3"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -137,10 +139,34 @@ def test_killed_run_resumes_at_its_checkpoint(tmp_path):
     assert 0 < step < 310 and not (tmp_path / "w" / "metrics.json").exists()
     result = run_train([f"--workdir={tmp_path / 'w'}", *SLOW], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The killed run's lock died with it (the kernel released it); its record is taken over.
+    assert f"Took over the lock of --workdir={tmp_path / 'w'} from a run that is gone" in result.stderr
+    assert f"pid {proc.pid}," in result.stderr
     assert re.search(rf"Resuming from checkpoint \S+ckpt-{step} at step {step}\.", result.stderr)
     metrics = json.loads((tmp_path / "w" / "metrics.json").read_text())
     assert (metrics["resumed_from_step"], metrics["steps"]) == (step, 310)
     assert metrics["eval_accuracy"] >= 0.97
+
+
+def test_second_run_on_a_live_workdir_is_refused_at_once(tmp_path):
+    proc = _start(tmp_path, *SLOW)
+    try:
+        _wait_for_checkpoint(tmp_path, proc)
+        start = time.time()
+        second = run_train([f"--workdir={tmp_path / 'w'}", *SLOW], timeout=120)
+        assert time.time() - start < 30
+        assert_user_error(second, f"--workdir={tmp_path / 'w'} is in use by another live run (host ",
+                          f"pid {proc.pid}, since ")
+        assert proc.poll() is None, "the first run did not survive the second"
+        before = _latest_step(tmp_path)
+        deadline = time.time() + 120
+        while _latest_step(tmp_path) == before and time.time() < deadline:  # It still checkpoints.
+            assert proc.poll() is None
+            time.sleep(0.1)
+        assert _latest_step(tmp_path) > before
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def test_sigterm_saves_then_resumes(tmp_path):

@@ -5,6 +5,7 @@ import json
 import tensorflow as tf
 
 from tests.conftest import run_module
+from tfdist import horovod_support, precision, strategies
 
 
 def report(env=None, *args):
@@ -18,10 +19,14 @@ def test_report_has_versions_devices_and_precision():
     assert data["packages"]["tensorflow"] == tf.__version__
     assert data["packages"]["keras"].startswith("3.")
     assert any(d["type"] == "CPU" for d in data["devices"])
-    assert data["precision_auto"]["policy"] in ("float32", "mixed_bfloat16", "mixed_float16")
+    # What --precision=auto would pick on this machine, computed here the way training does.
+    gpus = tf.config.list_physical_devices("GPU")
+    assert data["cpu_bf16_flags"] == precision.cpu_bf16_flags()
+    if not gpus:
+        assert data["precision_auto"]["policy"] == precision.choose("auto", device_kind="cpu").policy
     assert data["tf_config"] is None
-    assert "horovod" in data and data["horovod"]["status"]
-    assert "multi_worker_mirrored" in data["strategies"]
+    assert data["horovod"]["status"] == horovod_support.report()["status"]
+    assert data["strategies"] == strategies.strategy_names()
 
 
 def test_report_parses_tf_config():

@@ -100,4 +100,38 @@ def test_missing_horovod_says_how_to_install(tmp_path):
 
 def test_launcher_detection():
     assert horovod_support.started_by_launcher({"HOROVOD_RANK": "1"})
+    assert horovod_support.started_by_launcher({"OMPI_COMM_WORLD_SIZE": "1"})  # mpirun -np 1 may run Horovod.
     assert not horovod_support.started_by_launcher({})
+    assert not horovod_support.started_by_launcher({"SLURM_PROCID": "0", "HOROVOD_CPU_OPERATIONS": "gloo"})
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, True),                      # horovodrun --gloo
+    ({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1"}, True),                    # horovodrun --gloo
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, True),       # mpirun -np 2 (horovodrun --mpi)
+    ({"OMPI_COMM_WORLD_SIZE": "1"}, False),                                   # one rank: nothing to all-reduce
+    ({"PMI_SIZE": "4", "PMI_RANK": "0", "SLURM_PROCID": "0"}, False),        # srun --mpi=pmi2, any program
+    ({"PMI_SIZE": "4", "PMI_RANK": "0", "HOROVOD_CONTROLLER": "mpi"}, True),  # srun --mpi=pmi2 for Horovod
+    ({"PMI_SIZE": "1", "HOROVOD_CONTROLLER": "mpi"}, False),
+    ({"PMI_SIZE": "two", "HOROVOD_CONTROLLER": "mpi"}, False),
+    ({"HOROVOD_RANK": ""}, False),
+    ({}, False),
+])
+def test_auto_selects_horovod_only_for_a_horovod_launch(environ, expected):
+    assert horovod_support.auto_selects_horovod(environ, available=True) is expected
+    assert horovod_support.auto_selects_horovod(environ, available=False) is False
+
+
+def test_auto_ignores_a_bare_pmi_size(monkeypatch):
+    """srun --mpi=pmi2 sets PMI_SIZE for a TensorFlow job too; auto must not switch to Horovod."""
+    from tfdist import strategies
+    from tfdist.config import TrainConfig
+
+    monkeypatch.setattr(horovod_support, "is_horovod_available", lambda: True)
+    for key in ("TF_CONFIG", "TPU_NAME", *horovod_support.LAUNCHER_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    assert strategies.resolve_auto(TrainConfig())[0] == "default"
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    assert strategies.resolve_auto(TrainConfig()) == (
+        "horovod", "horovodrun or mpirun started this process and Horovod is installed")

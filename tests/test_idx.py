@@ -7,21 +7,33 @@ import os
 import numpy as np
 import pytest
 
-from tests.conftest import SHARED_MNIST
 from tests.idx_files import idx_bytes, write_idx
-from tfdist import idx
+from tfdist import data, idx
 from tfdist.errors import UserError
+
+
+# SHA-256 of the published MNIST test split's uncompressed IDX files.
+MNIST_T10K_SHA256 = {
+    "t10k-images-idx3-ubyte.gz": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+    "t10k-labels-idx1-ubyte.gz": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+}
+
+
+def test_bundled_files_are_the_published_mnist_test_split():
+    for name, digest in MNIST_T10K_SHA256.items():
+        with gzip.open(os.path.join(data.BUNDLED_DIR, name)) as f:
+            assert hashlib.sha256(f.read()).hexdigest() == digest, name
 
 
 def test_reads_the_real_mnist_test_split():
     images, labels = idx.read_images_and_labels(
-        os.path.join(SHARED_MNIST, "t10k-images-idx3-ubyte.gz"),
-        os.path.join(SHARED_MNIST, "t10k-labels-idx1-ubyte.gz"),
+        os.path.join(data.BUNDLED_DIR, "t10k-images-idx3-ubyte.gz"),
+        os.path.join(data.BUNDLED_DIR, "t10k-labels-idx1-ubyte.gz"),
     )
     assert images.shape == (10000, 28, 28, 1) and images.dtype == np.uint8
     assert np.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
-    with gzip.open(os.path.join(SHARED_MNIST, "t10k-labels-idx1-ubyte.gz")) as f:
-        assert hashlib.sha256(f.read()).hexdigest().startswith("ff7bcfd416de3373")
+    assert labels[:10].tolist() == [7, 2, 1, 0, 4, 1, 4, 9, 5, 9]  # MNIST's first test digits.
+    assert images.max() == 255 and images[:, 0, 0, 0].max() == 0  # 8-bit ink; the corners are blank.
 
 
 def test_plain_and_gzip_read_the_same(tmp_path):

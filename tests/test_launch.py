@@ -188,6 +188,9 @@ def test_killed_worker_stops_the_job_and_relaunch_resumes(tmp_path):
 def test_sigterm_to_the_launcher_checkpoints_then_resumes(tmp_path):
     workdir = tmp_path / "w"
     step = Job(tmp_path, [*SLOW, f"--workdir={workdir}"]).preempt_after_first_checkpoint()
+    # Preempted, the non-chief worker still removed its private checkpoint scratch, and the chief its lock.
+    assert not [p for p in os.listdir(tmp_path / "tmp") if p.startswith("tfdist-worker-ckpt-")]
+    assert not (workdir / ".lock").exists()
     again = Job(tmp_path, [*SLOW, f"--workdir={workdir}"])
     assert again.wait() == 0, again.output[-4000:]
     metrics = json.loads((workdir / "metrics.json").read_text())

@@ -46,6 +46,24 @@ def test_auto_picks_mirrored_for_cpu_replicas_and_default_otherwise():
     assert build(strategy="auto").name == "default"
 
 
+@pytest.mark.parametrize("changes, expected", [
+    ({"num_cpu_replicas": 2, "all_reduce": "ring"},
+     "--strategy=auto chose mirrored (--num_cpu_replicas=2 was given), and then: --all_reduce='ring' is not valid "
+     "with --strategy=mirrored; use one of: auto, nccl, hierarchical_copy, reduce_to_one."),
+    ({"all_reduce": "ring"},
+     "--strategy=auto chose default (no TPU, GPU or cluster was found), and then: --all_reduce=ring has no effect "
+     "with --strategy=default;"),
+    ({"ps_shards": 2}, "--strategy=auto chose default (no TPU, GPU or cluster was found), and then: --ps_shards "
+                       "applies to --strategy=parameter_server, not --strategy=default."),
+    ({"hvd_op": "adasum"}, "and then: --hvd_compression/--hvd_op are Horovod options but --strategy=default"),
+])
+def test_auto_runs_the_option_checks_of_the_strategy_it_chose(monkeypatch, changes, expected):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(UserError) as e:
+        build(strategy="auto", **changes)
+    assert expected in str(e.value)
+
+
 def test_single_process_multi_worker_mirrored(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     backend = build(strategy="multi_worker_mirrored")

@@ -28,6 +28,7 @@ INSTALL_HINT = (
 
 
 def is_horovod_available() -> bool:
+    """Whether the horovod package is installed (its TensorFlow ops may still fail to load)."""
     return importlib.util.find_spec("horovod") is not None
 
 
@@ -49,13 +50,52 @@ def report() -> dict[str, Any]:
     }
 
 
-LAUNCHER_ENV = ("HOROVOD_RANK", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+# Set by horovodrun (Gloo mode) and Horovod's own launchers, in Horovod jobs only.
+HOROVOD_LAUNCHER_ENV = ("HOROVOD_RANK", "HOROVOD_GLOO_RENDEZVOUS_ADDR")
+# Set by MPI launchers for any program: Open MPI's mpirun (which horovodrun uses
+# in MPI mode) and PMI-based launchers (srun --mpi=pmi2, MPICH, Intel MPI).
+OPEN_MPI_SIZE_ENV = "OMPI_COMM_WORLD_SIZE"
+PMI_SIZE_ENV = "PMI_SIZE"
+LAUNCHER_ENV = (*HOROVOD_LAUNCHER_ENV, OPEN_MPI_SIZE_ENV, PMI_SIZE_ENV)
+
+
+def _size(environ: Mapping[str, str], key: str) -> int:
+    try:
+        return int(environ.get(key, "0"))
+    except ValueError:
+        return 0
 
 
 def started_by_launcher(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether horovodrun (or mpirun) started this process."""
+    """Whether horovodrun, mpirun or an MPI-aware srun started this process (one rank or more).
+
+    What an explicit ``--strategy=horovod`` requires. It says nothing about
+    whether the job is meant for Horovod: see `auto_selects_horovod`.
+    """
     environ = os.environ if environ is None else environ
     return any(key in environ for key in LAUNCHER_ENV)
+
+
+def auto_selects_horovod(environ: Optional[Mapping[str, str]] = None,
+                         available: Optional[bool] = None) -> bool:
+    """Whether ``--strategy=auto`` should pick Horovod.
+
+    Only when Horovod is installed and the process was started for Horovod:
+    by horovodrun (HOROVOD_RANK or HOROVOD_GLOO_RENDEZVOUS_ADDR set), by Open
+    MPI's mpirun with more than one rank (OMPI_COMM_WORLD_SIZE > 1), or by a
+    PMI launcher with more than one rank (PMI_SIZE > 1) *and* a HOROVOD_*
+    setting in the environment. A bare PMI_SIZE is not enough: srun
+    --mpi=pmi2 sets it for every multi-task SLURM step, which tfdist otherwise
+    trains as a TensorFlow multi-worker cluster.
+    """
+    environ = os.environ if environ is None else environ
+    if not (is_horovod_available() if available is None else available):
+        return False
+    if any(environ.get(key) for key in HOROVOD_LAUNCHER_ENV):
+        return True
+    if _size(environ, OPEN_MPI_SIZE_ENV) > 1:
+        return True
+    return _size(environ, PMI_SIZE_ENV) > 1 and any(key.startswith("HOROVOD_") for key in environ)
 
 
 def import_horovod() -> Any:

@@ -2,8 +2,12 @@
 
 ``build_backend(config)`` looks the name up in `REGISTRY`; an unknown name is
 a `UserError` listing the valid ones, never a silent fallback. ``auto`` picks
-from what the process can see: a multi-worker TF_CONFIG -> multi-worker
-mirrored; several GPUs -> mirrored; one GPU -> one_device; else default.
+from what the process can see (`resolve_auto`): a TPU (TPU_NAME, or a TPU chip
+on the PCI bus) -> tpu; a Horovod launch with Horovod installed -> horovod; a
+multi-worker cluster -> multi-worker mirrored or parameter_server;
+--num_cpu_replicas or several GPUs -> mirrored; one GPU -> one_device; else
+default. It then runs the same option checks as that strategy named
+explicitly.
 Optional backends import their dependencies lazily, inside their builders.
 """
 
@@ -143,27 +147,41 @@ def _device_kind() -> str:
     return "gpu" if _gpus() else "cpu"
 
 
-@register("auto")
-def _auto(config: TrainConfig) -> Backend:
-    from tfdist import tpu
-
-    from tfdist import horovod_support
+def resolve_auto(config: TrainConfig) -> tuple[str, str]:
+    """The strategy ``--strategy=auto`` picks for this process, and why."""
+    from tfdist import horovod_support, tpu
 
     info = cluster_lib.resolve()
-    if config.tpu or tpu.tpu_detected():
-        name = "tpu"
-    elif horovod_support.started_by_launcher():
-        name = "horovod"
-    elif info.is_multi_worker:
-        name = "parameter_server" if info.num_ps else "multi_worker_mirrored"
-    elif config.num_cpu_replicas or len(_gpus()) > 1:
-        name = "mirrored"
-    elif _gpus():
-        name = "one_device"
-    else:
-        name = "default"
-    logging.info("--strategy=auto chose %s", name)
-    return REGISTRY[name](config.replace(strategy=name))
+    gpus = _gpus()
+    if config.tpu:
+        return "tpu", f"--tpu={config.tpu} was given"
+    if tpu.tpu_detected():
+        return "tpu", "a TPU was found (TPU_NAME, or a TPU chip on the PCI bus)"
+    if horovod_support.auto_selects_horovod():
+        return "horovod", "horovodrun or mpirun started this process and Horovod is installed"
+    if info.is_multi_worker:
+        if info.num_ps:
+            return "parameter_server", f"{info.source} describes a cluster with ps tasks"
+        return "multi_worker_mirrored", f"{info.source} describes a cluster of {info.num_workers} workers"
+    if config.num_cpu_replicas:
+        return "mirrored", f"--num_cpu_replicas={config.num_cpu_replicas} was given"
+    if len(gpus) > 1:
+        return "mirrored", f"this machine has {len(gpus)} GPUs"
+    if gpus:
+        return "one_device", "this machine has one GPU"
+    return "default", "no TPU, GPU or cluster was found"
+
+
+@register("auto")
+def _auto(config: TrainConfig) -> Backend:
+    name, why = resolve_auto(config)
+    resolved = config.replace(strategy=name)
+    try:
+        _check_options(resolved)
+    except UserError as e:
+        raise UserError(f"--strategy=auto chose {name} ({why}), and then: {e}") from None
+    logging.info("--strategy=auto chose %s: %s", name, why)
+    return REGISTRY[name](resolved)
 
 
 @register("default")

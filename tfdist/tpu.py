@@ -7,7 +7,8 @@ TensorFlow calls go through a `TPUCalls` object so tests can check the sequence
 and its arguments precisely without a TPU.
 
 Without a TPU the backend fails fast: ``--tpu=local`` first looks for a TPU on
-the PCI bus (Google's vendor id 0x1ae0, as TPU VMs expose them), and every
+the PCI bus (Google's vendor id 0x1ae0 *and* a TPU device id: the same vendor
+id also marks gVNIC, the virtual NIC most GCE VMs have), and every
 TensorFlow step runs under a deadline, so an unreachable or misspelled TPU
 becomes a clear error within ``TPU_INIT_TIMEOUT_S`` seconds, never a hang.
 """
@@ -18,31 +19,48 @@ import glob
 import os
 import socket
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from tfdist.errors import UserError
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
+# PCI device ids of Google's TPU chips (as JAX's hardware_utils lists them).
+# Other devices of the same vendor, e.g. gVNIC (0x0042), are not TPUs.
+TPU_PCI_DEVICES = {
+    "0x0027": "TPU v2/v3",
+    "0x005e": "TPU v4",
+    "0x0062": "TPU v5p",
+    "0x0063": "TPU v5e",
+    "0x006f": "TPU v6e",
+    "0x0076": "TPU 7x",
+}
+PCI_DEVICES_DIR = "/sys/bus/pci/devices"
 TPU_INIT_TIMEOUT_S = 45.0
 
 
-def local_tpu_devices(sysfs: str = "/sys/bus/pci/devices") -> list[str]:
-    """PCI devices of this machine made by Google (TPU chips on a TPU VM)."""
+def _read_id(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip().lower()
+    except OSError:
+        return None
+
+
+def local_tpu_devices(sysfs: str = PCI_DEVICES_DIR) -> list[str]:
+    """The PCI addresses of this machine's TPU chips (Google vendor id and a TPU device id)."""
     found = []
-    for vendor_file in glob.glob(os.path.join(sysfs, "*", "vendor")):
-        try:
-            with open(vendor_file) as f:
-                if f.read().strip().lower() == GOOGLE_PCI_VENDOR:
-                    found.append(os.path.basename(os.path.dirname(vendor_file)))
-        except OSError:
+    for device_dir in sorted(glob.glob(os.path.join(sysfs, "*"))):
+        if _read_id(os.path.join(device_dir, "vendor")) != GOOGLE_PCI_VENDOR:
             continue
+        if _read_id(os.path.join(device_dir, "device")) in TPU_PCI_DEVICES:
+            found.append(os.path.basename(device_dir))
     return found
 
 
-def tpu_detected(environ: Optional[dict] = None) -> bool:
-    """Whether `--strategy=auto` should pick the TPU."""
+def tpu_detected(environ: Optional[Mapping[str, str]] = None, sysfs: str = PCI_DEVICES_DIR) -> bool:
+    """Whether `--strategy=auto` should pick the TPU: TPU_NAME is set, or a TPU chip is on the PCI bus."""
     environ = os.environ if environ is None else environ
-    return bool(environ.get("TPU_NAME")) or bool(local_tpu_devices())
+    return bool(environ.get("TPU_NAME")) or bool(local_tpu_devices(sysfs))
 
 
 class TPUCalls:
@@ -119,13 +137,13 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 def connect(tpu: str, *, zone: Optional[str] = None, project: Optional[str] = None,
             calls: Optional[TPUCalls] = None, timeout_s: float = TPU_INIT_TIMEOUT_S,
-            sysfs: str = "/sys/bus/pci/devices") -> Any:
+            sysfs: str = PCI_DEVICES_DIR) -> Any:
     """Resolves, connects to and initialises the TPU; returns the TPUStrategy."""
     calls = calls or TPUCalls()
     if tpu == "local" and not local_tpu_devices(sysfs):
         raise UserError(
             "No TPU was found on this machine: --tpu=local looks for the TPU chips of a TPU VM (PCI vendor "
-            f"{GOOGLE_PCI_VENDOR}) and there are none. {_how_to_point(tpu)}"
+            f"{GOOGLE_PCI_VENDOR} with a TPU device id) in {sysfs} and there are none. {_how_to_point(tpu)}"
         )
     if tpu.startswith("grpc://"):
         _check_reachable(tpu)

@@ -1,4 +1,4 @@
-"""The run directory: configuration, checkpoints, summaries, export, metrics.
+"""The run directory: configuration, checkpoints, summaries, export, metrics, and its lock.
 
 Layout of ``--workdir``::
 
@@ -8,25 +8,81 @@ Layout of ``--workdir``::
   tensorboard/      TensorBoard summaries
   model.keras       the final model
   metrics.json      the run's results
+  .lock             only while a run is live: its host, pid and start time
 
-Only the chief writes. Every write that replaces a file goes through a
-temporary name and an atomic rename, so a failed run never leaves a half
-written export or metrics file, and checkpoints are only ever added (the
-CheckpointManager keeps the newest ``--keep_checkpoints``).
+Only the chief writes. `RunDir` is used as a context manager (or
+``prepare()`` ... ``cleanup()``): on a local path the chief first takes an
+exclusive ``flock`` on the workdir, so a second run on a live workdir is
+refused at once, naming the holder; a lock left by a killed run is released by
+the kernel and taken over with a log line. Non-chief workers write only a
+private scratch directory, removed by ``cleanup()`` on every exit path.
+
+Every write that replaces a file goes through a temporary name and an atomic
+rename, so a failed run never leaves a half written export or metrics file;
+checkpoints are only ever added (the CheckpointManager keeps the newest
+``--keep_checkpoints``) and TensorFlow records a checkpoint in the
+``checkpoint`` state file only after its data is complete. A write that fails
+(disk full, permission denied, a vanished mount) becomes a `WriteError`: one
+paragraph naming the path, the cause and the last good checkpoint, after the
+failed write's partial files are removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
+import fcntl
+import glob
 import json
 import os
+import re
+import shutil
+import socket
+import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import tensorflow as tf
+from absl import logging
 
 from tfdist.config import RESUME_KEYS, TrainConfig
 from tfdist.errors import UserError
+
+LOCK_NAME = ".lock"
+# The TensorFlow errors a failed file write raises (ENOSPC is ResourceExhausted,
+# EACCES/EROFS PermissionDenied, a vanished directory NotFound). Errors of lost
+# peers (Unavailable, DeadlineExceeded, Cancelled, Aborted) are not among them.
+WRITE_ERRORS = (OSError, tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
+                tf.errors.NotFoundError, tf.errors.FailedPreconditionError, tf.errors.DataLossError,
+                tf.errors.UnknownError, tf.errors.InternalError)
+
+
+class WriteError(UserError):
+    """A write into the run directory failed; the run stopped (exit status 1)."""
+
+    exit_code = 1
+
+
+def _cause(error: BaseException) -> str:
+    """The reason of a failed write in a few words (the OS error text where there is one)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = (getattr(error, "message", None) or str(error)).strip().split("\n")[0]
+    text = re.sub(r"\{\{[^}]*\}\}", "", text)
+    text = re.sub(r"\[Op:[^\]]*\]", "", text)
+    text = " ".join(text.split())
+    return (text.rsplit("; ", 1)[-1] if "; " in text else text)[:300]
+
+
+def _advice(error: BaseException) -> str:
+    code = getattr(error, "errno", None)
+    cause = _cause(error).lower()
+    if code in (errno.ENOSPC, errno.EDQUOT) or "no space" in cause or "quota" in cause:
+        return "free space"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "permission" in cause or "read-only" in cause:
+        return "make it writable"
+    return "fix the cause"
 
 
 def default_workdir(strategy: str) -> str:
@@ -34,13 +90,221 @@ def default_workdir(strategy: str) -> str:
     return os.path.join("runs", f"{stamp}-{strategy}-{os.getpid()}")
 
 
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
 class RunDir:
-    """The workdir as seen by one process; writes only on the chief."""
+    """The workdir as seen by one process; writes only on the chief.
+
+    Use it as a context manager (``with RunDir(...) as rundir:``), or call
+    `prepare` (which takes the lock) and make sure `cleanup` runs.
+    """
 
     def __init__(self, path: str, *, is_chief: bool):
         self.path = path
         self.is_chief = is_chief
         self._scratch: Optional[str] = None
+        self._lock_fd: Optional[int] = None
+
+    def __enter__(self) -> "RunDir":
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        """Releases the lock and removes scratch; a failed write into the workdir becomes a `WriteError`.
+
+        Writes outside the `RunDir` methods (TensorBoard summaries, written as
+        the loop runs) fail with a TensorFlow error naming the file; when that
+        file is in the workdir or the scratch directory, it is reported like
+        any other failed write.
+        """
+        try:
+            if isinstance(exc, WRITE_ERRORS) and not isinstance(exc, WriteError):
+                path = self._path_named_by(exc)
+                if path is not None:
+                    # Outside the write methods the failing operation may have been a read
+                    # (restoring a damaged checkpoint), unless the cause is a write's.
+                    surely_a_write = isinstance(exc, (tf.errors.ResourceExhaustedError,
+                                                      tf.errors.PermissionDeniedError)) or (
+                        isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS))
+                    raise self._write_error(path, path, exc, verb="write" if surely_a_write else "read or write"
+                                            ) from None
+        finally:
+            self.cleanup()
+
+    def _path_named_by(self, error: BaseException) -> Optional[str]:
+        """The path in this run's directories that a failed write names, if it names one."""
+        roots = {self.path, os.path.abspath(self.path)} if _is_local(self.path) else {self.path}
+        if self._scratch:
+            roots.add(self._scratch)
+        if isinstance(error, OSError):
+            names = [str(error.filename)] if error.filename else []
+        else:
+            text = getattr(error, "message", None) or str(error)
+            names = [name.rstrip(":.") for name in re.findall(r"[^\s;,'\"]+", text)]
+        for name in names:
+            if any(name == root or name.startswith(root.rstrip("/") + "/") for root in roots):
+                return name
+        return None
+
+    # The workdir and its lock -------------------------------------------------
+    @property
+    def lock_path(self) -> str:
+        return self.join(LOCK_NAME)
+
+    @property
+    def locked(self) -> bool:
+        return self._lock_fd is not None
+
+    def _unusable(self, why: str) -> UserError:
+        return UserError(
+            f"--workdir={self.path} cannot be used as the run directory: {why}. Give a --workdir that is a "
+            "directory this process can write, or that it can create."
+        )
+
+    def check_usable(self) -> None:
+        """Refuses a workdir that is a file, or that the chief cannot create or write."""
+        if not _is_local(self.path):
+            if self.is_chief:
+                try:
+                    tf.io.gfile.makedirs(self.path)
+                except tf.errors.OpError as e:
+                    raise self._unusable(_cause(e)) from None
+            return
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise self._unusable("it is a file, not a directory")
+        if not self.is_chief:
+            return
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except FileExistsError:
+            raise self._unusable("it is a file, not a directory") from None
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename and e.filename != self.path else ""
+            raise self._unusable(f"it cannot be created: {e.strerror}{where}") from None
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise self._unusable("this process may not write it (permission denied)")
+
+    def acquire(self) -> None:
+        """Checks the workdir and, on the chief, takes its exclusive lock (idempotent).
+
+        Only the chief writes the workdir, so only the chief locks it. A lock
+        held by a live process is a `UserError` naming it; the kernel releases
+        the lock of a process that died, and the next run takes it over.
+        """
+        if self._lock_fd is not None:
+            return
+        self.check_usable()
+        if not (self.is_chief and _is_local(self.path)):
+            return
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = self._read_holder()
+            who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {holder.get('started', '?')}"
+                   if holder else "a process that has not recorded itself yet")
+            raise UserError(
+                f"--workdir={self.path} is in use by another live run ({who}); two runs writing one workdir would "
+                "corrupt its checkpoints. Wait for that run to finish or stop it, then rerun to resume; or give a "
+                "new --workdir."
+            ) from None
+        except OSError as e:  # A filesystem without flock (some network mounts): run unlocked.
+            os.close(fd)
+            logging.warning("Could not lock --workdir=%s (%s); running without a lock. Make sure no other run "
+                            "uses it.", self.path, e.strerror)
+            return
+        self._lock_fd = fd
+        stale = self._read_holder()
+        if stale:
+            logging.warning("Took over the lock of --workdir=%s from a run that is gone (host %s, pid %s, since %s).",
+                            self.path, stale.get("host", "?"), stale.get("pid", "?"), stale.get("started", "?"))
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                  "command": " ".join(sys.argv)[:500]}
+        try:
+            self.write_text(LOCK_NAME, json.dumps(holder) + "\n")
+        except WriteError:
+            self.release()
+            raise
+        self._remove_partial_checkpoints()
+
+    def _read_holder(self) -> dict[str, Any]:
+        try:
+            with open(self.lock_path) as f:
+                holder = json.load(f)
+            return holder if isinstance(holder, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def release(self) -> None:
+        """Removes the lock record and releases the lock (idempotent)."""
+        if self._lock_fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.remove(self.lock_path)
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    # Guarded writes -------------------------------------------------------------
+    @contextlib.contextmanager
+    def guard_write(self, what: str, path: str, *, partial: tuple[str, ...] = ()) -> Iterator[None]:
+        """Turns a failed write of `what` to `path` into a `WriteError`, removing `partial` files first."""
+        try:
+            yield
+        except WRITE_ERRORS as e:
+            for pattern in partial:
+                self._remove(pattern)
+            raise self._write_error(what, path, e) from None
+
+    def _write_error(self, what: str, path: str, error: BaseException, verb: str = "write") -> WriteError:
+        target = f"{what} to {path}" if what != path else path
+        return WriteError(
+            f"Could not {verb} {target}: {_cause(error)}. {self._last_good()} {_advice(error).capitalize()} "
+            "and rerun the same command to resume."
+        )
+
+    def _last_good(self) -> str:
+        try:
+            latest = self.latest_checkpoint()
+        except Exception:  # noqa: BLE001 - the state file itself may be unreadable now.
+            latest = None
+        if latest:
+            return f"The run stopped; its last good checkpoint {os.path.basename(latest)} is intact."
+        return "The run stopped before its first checkpoint."
+
+    @staticmethod
+    def _remove(pattern: str) -> None:
+        for leftover in glob.glob(pattern):
+            with contextlib.suppress(OSError):
+                if os.path.isdir(leftover):
+                    shutil.rmtree(leftover)
+                else:
+                    os.remove(leftover)
+
+    def save_checkpoint(self, manager: tf.train.CheckpointManager, step: int) -> str:
+        """``manager.save(step)``; a failed save is a `WriteError`, and leaves no partial ckpt-STEP files."""
+        directory = manager.directory
+        prefix = os.path.join(directory, f"ckpt-{step}")
+        try:
+            with self.guard_write(f"checkpoint ckpt-{step}", directory):
+                return manager.save(checkpoint_number=step)
+        except WriteError:
+            latest = tf.train.latest_checkpoint(directory) if _is_local(directory) else None
+            if latest != prefix and _is_local(directory):
+                # Not recorded in the state file: remove what the failed save left.
+                self._remove(prefix + ".*")
+                self._remove(prefix + "_temp*")
+            raise
+
+    def _remove_partial_checkpoints(self) -> None:
+        """Removes temporary directories of saves a killed run left (under the lock, on the chief)."""
+        if _is_local(self.path):
+            self._remove(os.path.join(self.join("checkpoints"), "ckpt-*_temp*"))
 
     def join(self, *parts: str) -> str:
         return os.path.join(self.path, *parts)
@@ -66,8 +330,16 @@ class RunDir:
     def prepare(self, config: TrainConfig) -> Optional[str]:
         """Checks the workdir against `config`; returns the checkpoint to resume from.
 
-        Reads only, on every process; the chief writes the configuration.
+        Takes the lock first (see `acquire`); on an error it releases it again.
         """
+        self.acquire()
+        try:
+            return self._check_resume(config)
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def _check_resume(self, config: TrainConfig) -> Optional[str]:
         latest = self.latest_checkpoint()
         if latest is None:
             if config.resume:
@@ -109,38 +381,44 @@ class RunDir:
             self.write_text(name, json.dumps(values, indent=2, sort_keys=True) + "\n")
 
     def write_text(self, name: str, text: str) -> None:
+        """Writes `name` through a temporary file and an atomic rename; a failure is a `WriteError`."""
         if not self.is_chief:
             return
-        tf.io.gfile.makedirs(self.path)
         final = self.join(name)
         tmp = f"{final}.tmp-{os.getpid()}"
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            f.write(text)
-        tf.io.gfile.rename(tmp, final, overwrite=True)
+        with self.guard_write(name, final, partial=(tmp,) if _is_local(tmp) else ()):
+            tf.io.gfile.makedirs(self.path)
+            with tf.io.gfile.GFile(tmp, "w") as f:
+                f.write(text)
+            tf.io.gfile.rename(tmp, final, overwrite=True)
 
     def export_model(self, model: Any, name: str = "model.keras") -> Optional[str]:
         """Saves the model through a temporary file, then renames it into place."""
         if not self.is_chief:
             return None
-        tf.io.gfile.makedirs(self.path)
         final = self.join(name)
-        with tempfile.TemporaryDirectory(prefix="tfdist-export-") as tmp_dir:
-            local = os.path.join(tmp_dir, name)
-            model.save(local)
-            staged = f"{final}.tmp-{os.getpid()}"
-            tf.io.gfile.copy(local, staged, overwrite=True)
-            tf.io.gfile.rename(staged, final, overwrite=True)
+        staged = f"{final}.tmp-{os.getpid()}"
+        with self.guard_write(f"the model export {name}", final, partial=(staged,) if _is_local(staged) else ()):
+            tf.io.gfile.makedirs(self.path)
+            with tempfile.TemporaryDirectory(prefix="tfdist-export-") as tmp_dir:
+                local = os.path.join(tmp_dir, name)
+                model.save(local)
+                tf.io.gfile.copy(local, staged, overwrite=True)
+                tf.io.gfile.rename(staged, final, overwrite=True)
         return final
 
     def summary_writer(self) -> tf.summary.SummaryWriter:
         if self.is_chief:
-            return tf.summary.create_file_writer(self.join("tensorboard"))
+            with self.guard_write("TensorBoard summaries", self.join("tensorboard")):
+                return tf.summary.create_file_writer(self.join("tensorboard"))
         return tf.summary.create_noop_writer()
 
     def cleanup(self) -> None:
+        """Removes this process's scratch directory and releases the lock; safe to call more than once."""
         if self._scratch is not None:
-            tf.io.gfile.rmtree(self._scratch)
+            shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
+        self.release()
 
 
 def to_flagfile(config: TrainConfig) -> str:
