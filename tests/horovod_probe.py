@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from tfdist import data, horovod_support, model
+from tfdist import data, horovod_support, inputs, model
 
 
 def main(out_dir: str) -> None:
@@ -25,8 +25,9 @@ def main(out_dir: str) -> None:
     after = model.fingerprint([np.asarray(w) for w in net.weights])
     digits = data.load_dataset("mnist")
     steps = digits.num_train // 128
-    dataset = backend.distribute_dataset(data.train_dataset_fn(
-        digits.train_images, digits.train_labels, per_replica_batch=64, steps_per_epoch=steps, seed=rank))
+    dataset = backend.distribute_dataset(inputs.train_arrays_fn(
+        inputs.Arrays(digits.train_images, digits.train_labels), per_replica_batch=64, steps_per_epoch=steps, seed=0,
+        total_steps=steps))
     batches = list(dataset.take(steps))
     hashes = [hashlib.sha1(image.tobytes()).hexdigest() for images, _ in batches for image in images.numpy()]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

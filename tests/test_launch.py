@@ -152,13 +152,13 @@ def test_two_workers_train_to_the_same_weights(tmp_path):
     prints = fingerprints(job.output)
     assert set(prints) == {"worker:0", "worker:1"} and len(set(prints.values())) == 1
     assert prints["worker:0"] == metrics["weights_fingerprint"]
-    # Each worker feeds its own shard: half the digits, half the global batch per step.
+    # Each worker feeds its own replica: half of every global batch, in the order every topology shares.
     for i in (0, 1):
-        assert re.search(rf"^\[worker:{i}\] .*Input pipeline {i} of 2: 4000 training examples in its shard, "
-                         r"per-replica batch 64", job.output, re.M)
+        assert re.search(rf"^\[worker:{i}\] .*Input pipeline {i} of 2: replicas {i}-{i} of 2, per-replica batch 64, "
+                         r"global batch 128, order seeded by 0 \(the same on every topology\)", job.output, re.M)
     # Only the chief wrote into the workdir; the other worker's private saves are gone.
     assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "metrics.json", "model.keras",
-                                           "tensorboard"]
+                                           "plan.json", "tensorboard"]
     assert not [p for p in os.listdir(job.scratch) if p.startswith("tfdist-worker-ckpt-")]
 
 

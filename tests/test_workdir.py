@@ -22,7 +22,6 @@ import tensorflow as tf
 
 from tests.conftest import REPO, run_train, subprocess_env
 from tfdist import workdir
-from tfdist.config import TrainConfig
 from tfdist.errors import UserError
 
 
@@ -93,7 +92,7 @@ def test_workdir_that_is_a_file_or_under_a_file(tmp_path):
             if not chief and "created" in why:
                 continue  # Non-chief workers never create the workdir.
             with pytest.raises(UserError) as e:
-                workdir.RunDir(str(path), is_chief=chief).prepare(TrainConfig())
+                workdir.RunDir(str(path), is_chief=chief).acquire()
             assert str(e.value).startswith(f"--workdir={path} cannot be used as the run directory: {why}")
 
 

