@@ -16,7 +16,8 @@ def test_mixed_float16_on_tpu_is_refused():
         precision.choose("mixed_float16", device_kind="tpu")
 
 
-@pytest.mark.parametrize("cc, policy", [((7, 0), "mixed_float16"), ((9, 0), "mixed_float16"), ((6, 1), "float32")])
+@pytest.mark.parametrize("cc, policy", [((7, 0), "mixed_float16"), ((7, 5), "mixed_float16"),
+                                        ((8, 0), "mixed_bfloat16"), ((9, 0), "mixed_bfloat16"), ((6, 1), "float32")])
 def test_gpu_by_compute_capability(cc, policy):
     assert precision.choose("auto", device_kind="gpu", gpu_compute_capability=cc).policy == policy
 

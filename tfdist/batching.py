@@ -130,3 +130,27 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self) -> dict:
         return {"peak": self.peak, "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps}
+
+
+@keras.saving.register_keras_serializable("tfdist")
+class CountedSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """`schedule` evaluated at tfdist's exact step counter instead of ``optimizer.iterations``.
+
+    ``optimizer.iterations`` under-counts under asynchronous (parameter-server)
+    training and stands still while loss scaling skips steps. Saved models keep
+    the inner schedule only (a loaded model then reads its own iterations).
+    """
+
+    def __init__(self, schedule: keras.optimizers.schedules.LearningRateSchedule, counter: tf.Variable):
+        self.schedule = schedule
+        self.counter = counter
+
+    def __call__(self, step):
+        return self.schedule(self.counter)
+
+    def get_config(self) -> dict:
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> keras.optimizers.schedules.LearningRateSchedule:
+        return keras.saving.deserialize_keras_object(config["schedule"])

@@ -54,6 +54,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
     steps_per_execution: Optional[int] = None
     precision: str = "auto"
+    jit_compile: str = "auto"
     seed: int = 0
     # Run directory.
     workdir: Optional[str] = None
@@ -61,6 +62,8 @@ class TrainConfig:
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
     max_steps: Optional[int] = None
+    summary_every_steps: int = 0
+    profile_steps: Optional[str] = None
 
     def validate(self) -> "TrainConfig":
         """Raises `UserError` for values no backend could accept."""
@@ -68,6 +71,11 @@ class TrainConfig:
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("jit_compile", self.jit_compile, ("auto", "true", "false"))
+        if self.summary_every_steps < 0:
+            raise UserError(f"--summary_every_steps={self.summary_every_steps} must be 0 (after every execution) "
+                            "or a positive step count.")
+        self.profile_range()
         if self.hvd_compression is not None:
             _choice("hvd_compression", self.hvd_compression, ("none", "fp16"))
         if self.hvd_op is not None:
@@ -109,6 +117,16 @@ class TrainConfig:
                 "timeout) or a positive number of seconds."
             )
         return self
+
+    def profile_range(self) -> Optional[tuple[int, int]]:
+        """``--profile_steps=START,END`` as two step numbers (None when unset)."""
+        if self.profile_steps is None:
+            return None
+        parts = str(self.profile_steps).split(",")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
+            raise UserError(f"--profile_steps={self.profile_steps!r} must be START,END with START < END, e.g. "
+                            "--profile_steps=5,10 (the steps whose trace is written to WORKDIR/tensorboard).")
+        return int(parts[0]), int(parts[1])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

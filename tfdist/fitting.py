@@ -205,6 +205,9 @@ def fit(
     resume: Optional[bool] = None,
     verbose: int = 1,
     step_counter: Optional[tf.Variable] = None,
+    jit_compile: Any = "auto",
+    summary_every_steps: int = 0,
+    profile_steps: Optional[tuple[int, int]] = None,
     plan_extra: Optional[dict] = None,
     _report: Optional[dict] = None,
 ) -> keras.callbacks.History:
@@ -280,17 +283,34 @@ def fit(
         precision = keras.mixed_precision.dtype_policy().name
         backend.broadcast_initial_state(list(model.variables) + list(model.optimizer.variables))
         step_functions = steps_lib.StepFunctions(model, backend, grad_accum_steps=grad_accum_steps,
-                                                 step_counter=step_counter)
+                                                 step_counter=step_counter,
+                                                 jit_compile=_resolve_jit(jit_compile, backend, model))
         result = _run(model, backend, plan, train, validation, step_functions, checkpoint, manager, rundir,
-                      step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision)
+                      step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
+                      summary_every_steps, profile_steps)
     if _report is not None:
         _report.update(plan=plan, result=result, backend=backend, precision=precision, rundir=rundir,
                        wall_seconds=time.time() - start)
     return result.history
 
 
+def _resolve_jit(jit_compile: Any, backend: Backend, model: keras.Model) -> bool:
+    """Keras' rule for "auto" (XLA on GPU/TPU, not on CPU); refuses what XLA cannot run correctly."""
+    if jit_compile == "auto":
+        return backend.device_kind in ("gpu", "tpu") and not isinstance(
+            model.optimizer, keras.optimizers.LossScaleOptimizer)
+    if jit_compile not in (True, False):
+        raise _fail(f"jit_compile={jit_compile!r} must be 'auto', True or False.")
+    if jit_compile and isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) and backend.num_replicas > 1:
+        raise _fail("XLA (jit_compile) with loss scaling (mixed_float16) across several replicas hits an upstream "
+                    "Keras bug (keras-team/keras#21366); use --precision=mixed_bfloat16 (no loss scaling), or "
+                    "--jit_compile=false.")
+    return bool(jit_compile)
+
+
 def _run(model, backend, plan, train, validation, step_functions, checkpoint, manager, rundir, step_counter,
-         start_step, callbacks, checkpoint_every_steps, verbose, precision) -> LoopResult:
+         start_step, callbacks, checkpoint_every_steps, verbose, precision, summary_every_steps,
+         profile_steps) -> LoopResult:
     replicas = backend.num_replicas
     if backend.sharded_input:
         train_fn = lambda first: iter(backend.distribute_dataset(inputs.train_arrays_fn(  # noqa: E731
@@ -329,6 +349,9 @@ def _run(model, backend, plan, train, validation, step_functions, checkpoint, ma
         callbacks=callback_list, history=history,
         loss_scaling=isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer),
         checkpoint_every_steps=checkpoint_every_steps, progress=bool(verbose), error=_fail,
+        summary_every_steps=summary_every_steps,
+        profile=(profile_steps, rundir.join("tensorboard")) if profile_steps and rundir is not None
+        and backend.is_chief else None,
     )
     controller.check_agreement(start_step, precision)
     writer = rundir.summary_writer() if rundir is not None else tf.summary.create_noop_writer()

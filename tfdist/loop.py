@@ -172,6 +172,8 @@ class Controller:
         checkpoint_every_steps: int = 0,
         progress: bool = True,
         error: Callable[[str], Exception] = UserError,
+        summary_every_steps: int = 0,
+        profile: Optional[tuple[tuple[int, int], str]] = None,
     ):
         self.steps = steps
         self.backend = backend
@@ -190,6 +192,9 @@ class Controller:
         self.progress = Progress(progress and backend.is_chief, plan.steps_per_epoch)
         self.error = error
         self.model = steps.model
+        self.summary_every = summary_every_steps
+        self.profile = profile
+        self._profiling = False
 
     # Agreement ----------------------------------------------------------------
     def check_agreement(self, step: int, precision: str) -> None:
@@ -239,6 +244,7 @@ class Controller:
         train_logs: dict[str, float] = {}
         val_logs: dict[str, float] = {}
         nonfinite_run = 0
+        summary_totals: Optional[np.ndarray] = None
         self.callbacks.on_train_begin()
         epoch_open = False
         with StopRequest() as stop:
@@ -250,6 +256,7 @@ class Controller:
                 boundary = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
                 if self.every:
                     boundary = min(boundary, (step // self.every + 1) * self.every)
+                self._profiler(step)
                 t0 = time.perf_counter()
                 pending: collections.deque = collections.deque()
                 dispatched = step
@@ -281,12 +288,15 @@ class Controller:
                             "diverged. Lower the learning rate (or add warm-up). No checkpoint was written for "
                             "these steps.")
                     epoch_totals += totals
+                    summary_totals = totals if summary_totals is None else summary_totals + totals
                     chunk_logs = layout.results(totals)
                     if "loss" in chunk_logs and math.isfinite(chunk_logs["loss"]):
                         last_loss = chunk_logs["loss"]
                         first_loss = last_loss if first_loss is None else first_loss
-                    for name, value in chunk_logs.items():
-                        tf.summary.scalar(f"train/{name}", value, step=step)
+                    if not self.summary_every or step // self.summary_every != (step - num) // self.summary_every:
+                        for name, value in layout.results(summary_totals).items():
+                            tf.summary.scalar(f"train/{name}", value, step=step)
+                        summary_totals = None
                     self.progress.update(epoch, step - epoch * plan.steps_per_epoch, layout.results(epoch_totals))
                 seconds = time.perf_counter() - t0
                 epoch_seconds[epoch] = epoch_seconds.get(epoch, 0.0) + seconds
@@ -319,6 +329,7 @@ class Controller:
                     epoch_open = False
                 if at_epoch_end or (self.every and step % self.every == 0):
                     self.save_fn(step)
+            self._profiler(step, force_stop=True)
             if step == start_step and self.eval_iterator_fn is not None:
                 val_logs = self.evaluate()  # Resumed a finished run: evaluate what was restored.
         self.callbacks.on_train_end({**train_logs, **val_logs})
@@ -329,6 +340,21 @@ class Controller:
             epoch_seconds=[round(epoch_seconds[e], 4) for e in sorted(epoch_seconds)],
             device_step_count=None,
         )
+
+
+    def _profiler(self, step: int, force_stop: bool = False) -> None:
+        """Starts the TensorFlow profiler before the execution that runs step START; stops after END."""
+        if self.profile is None:
+            return
+        (first, last), logdir = self.profile
+        covers_first = step + self.plan.steps_per_execution > first
+        if not self._profiling and covers_first and step < last and not force_stop:
+            tf.profiler.experimental.start(logdir)
+            self._profiling = True
+            logging.info("Profiling steps %d-%d into %s.", step, last, logdir)
+        elif self._profiling and (step >= last or force_stop):
+            tf.profiler.experimental.stop()
+            self._profiling = False
 
 
 def _learning_rate(optimizer: Any) -> Optional[float]:

@@ -2,7 +2,10 @@
 
 ``--precision=auto`` picks, per device kind:
   * TPU: ``mixed_bfloat16`` (the TPU's native fast type);
-  * GPU of compute capability >= 7.0 (tensor cores): ``mixed_float16``;
+  * GPU of compute capability >= 8.0 (Ampere and later: bfloat16 tensor cores):
+    ``mixed_bfloat16``, which needs no loss scaling;
+  * GPU of compute capability 7.x (Volta, Turing: float16 tensor cores only):
+    ``mixed_float16``, with loss scaling;
   * CPU with bfloat16 instructions (AMX_BF16 or AVX512_BF16): ``mixed_bfloat16``,
     measured 1.3-1.5x faster than float32 for tfdist's CNN on such CPUs (README);
   * anything else: ``float32``.
@@ -55,11 +58,17 @@ def choose(requested: str, *, device_kind: str, gpu_compute_capability: tuple[in
     if device_kind == "tpu":
         return PrecisionChoice("mixed_bfloat16", "TPU: bfloat16 is its native fast type")
     if device_kind == "gpu":
+        if gpu_compute_capability and gpu_compute_capability >= (8, 0):
+            return PrecisionChoice(
+                "mixed_bfloat16",
+                f"GPU compute capability {gpu_compute_capability[0]}.{gpu_compute_capability[1]} >= 8.0 has "
+                "bfloat16 tensor cores (no loss scaling needed)",
+            )
         if gpu_compute_capability and gpu_compute_capability >= (7, 0):
             return PrecisionChoice(
                 "mixed_float16",
                 f"GPU compute capability {gpu_compute_capability[0]}.{gpu_compute_capability[1]} "
-                ">= 7.0 has tensor cores",
+                "has float16 tensor cores only (loss-scaled)",
             )
         return PrecisionChoice("float32", f"GPU compute capability {gpu_compute_capability} < 7.0")
     flags = cpu_bf16_flags()

@@ -126,7 +126,8 @@ def synced_state(model: keras.Model) -> list:
 class StepFunctions:
     """The compiled training and evaluation executions for one model under one backend."""
 
-    def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable):
+    def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
+                 jit_compile: bool = False):
         self.model = model
         self.backend = backend
         self.optimizer = model.optimizer
@@ -135,6 +136,10 @@ class StepFunctions:
         self.layout = MetricLayout(model)
         self.synced = synced_state(model)
         disable_keras_gradient_sum(self.optimizer)
+        self.jit_compile = jit_compile
+        # XLA compiles one step (as Keras does); the loop around it reads the iterator.
+        self._train_step = tf.function(self._distributed_train_step, jit_compile=True) if jit_compile \
+            else self._distributed_train_step
         self.train_chunk = backend.compile(self._train_chunk)
         self.eval_chunk = backend.compile(self._eval_chunk)
 
@@ -203,6 +208,9 @@ class StepFunctions:
         self.step_counter.assign_add(1)
         return totals + self.layout.pack([examples, tf.minimum(nonfinite, 1.0), stop], deltas)
 
+    def _distributed_train_step(self, data: Any, stop: tf.Tensor, totals: Any) -> Any:
+        return self.backend.run(self._replica_train_step, (data, stop, totals))
+
     def _zeros(self) -> tf.Tensor:
         return tf.zeros([self.layout.size], tf.float32)
 
@@ -213,7 +221,7 @@ class StepFunctions:
             # One step at a time: collectives of two steps in flight at once would
             # collide (Horovod names its all-reduces by graph node).
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            totals = backend.run(self._replica_train_step, (next(iterator), stop, totals))
+            totals = self._train_step(next(iterator), stop, totals)
         backend.sync_replica_state(self.synced)
         return backend.reduce_sum(totals)
 

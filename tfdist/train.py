@@ -58,7 +58,7 @@ def _compile(config: TrainConfig, plan: batching.BatchPlan, backend: Backend) ->
                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         model = model_lib.build_cnn(config.seed)
         schedule = batching.WarmupCosine(plan.learning_rate, plan.warmup_steps, plan.decay_steps)
-        learning_rate = lambda: schedule(step)  # noqa: E731
+        learning_rate = batching.CountedSchedule(schedule, step)
         optimizer = keras.optimizers.SGD(learning_rate) if config.optimizer == "sgd" else \
             keras.optimizers.Adam(learning_rate)
         model.compile(optimizer=optimizer,
@@ -88,17 +88,19 @@ def _run(config: TrainConfig, backend: Backend, digits: Optional[data.Digits], s
 def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: batching.BatchPlan,
            choice: precision.PrecisionChoice, rundir: workdir_lib.RunDir, start: float) -> dict[str, Any]:
     model, step = _compile(config, plan, backend)
+    rundir.write_config(config)
     report: dict[str, Any] = {}
     fit(model, digits.train_images, digits.train_labels, batch_size=plan.global_batch, epochs=config.epochs,
         validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,
         steps_per_execution=plan.steps_per_execution, grad_accum_steps=plan.grad_accum_steps, seed=config.seed,
         max_steps=config.max_steps, checkpoint_every_steps=config.checkpoint_every_steps,
         keep_checkpoints=config.keep_checkpoints, resume=config.resume, step_counter=step,
+        jit_compile={"auto": "auto", "true": True, "false": False}[config.jit_compile],
+        summary_every_steps=config.summary_every_steps, profile_steps=config.profile_range(),
         plan_extra={"dataset": digits.name, "learning_rate": plan.learning_rate, "lr_schedule": config.lr_schedule, "optimizer": config.optimizer,
                     "warmup_steps": plan.warmup_steps, "precision": choice.policy},
         _report=report)
     result = report["result"]
-    rundir.write_config(config)
     fingerprint = fingerprint_of(model, backend)
     optimizer = model.optimizer
     metrics = {

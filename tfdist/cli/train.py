@@ -59,6 +59,8 @@ flags.DEFINE_enum("lr_schedule", _D.lr_schedule, LR_SCHEDULES, "After warm-up: c
 flags.DEFINE_integer("grad_accum_steps", _D.grad_accum_steps, "Micro-batches accumulated per optimizer step.")
 flags.DEFINE_integer("steps_per_execution", None, "Steps per compiled execution (default 10; 100 on TPU).")
 flags.DEFINE_string("precision", _D.precision, f"One of: {', '.join(PRECISIONS)}.")
+flags.DEFINE_enum("jit_compile", _D.jit_compile, ["auto", "true", "false"], "XLA for the compiled step: auto is "
+                  "Keras' rule (on for GPU/TPU, off on CPU, where it is slower).")
 flags.DEFINE_integer("seed", _D.seed, "Seed for weights and data order.")
 # Run directory.
 flags.DEFINE_string("workdir", None, "Run directory (default: a new one under ./runs/).")
@@ -67,6 +69,10 @@ flags.DEFINE_integer("checkpoint_every_steps", _D.checkpoint_every_steps,
                      "Also checkpoint every N steps (0: at epoch ends only).")
 flags.DEFINE_integer("keep_checkpoints", _D.keep_checkpoints, "Checkpoints to keep.")
 flags.DEFINE_integer("max_steps", None, "Stop after this many steps in total.")
+flags.DEFINE_integer("summary_every_steps", _D.summary_every_steps, "Write train scalars every N steps "
+                     "(0: after every execution).")
+flags.DEFINE_string("profile_steps", None, "START,END: write a TensorFlow profiler trace of these steps to "
+                    "WORKDIR/tensorboard (chief only).")
 
 
 def config_from_flags() -> TrainConfig:

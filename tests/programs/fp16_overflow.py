@@ -1,0 +1,31 @@
+"""Run by tests/test_loop.py (alone or under tfdist-launch): one float16 step whose global batch
+overflows on one replica only. Prints the loss scale before/after, whether the weights stayed
+put and finite, and a weights hash every worker must share."""
+
+import hashlib
+import sys
+
+import keras
+import numpy as np
+
+import tfdist
+from tfdist import data
+
+options = {"num_cpu_replicas": 2} if sys.argv[1] == "mirrored" else {}
+strategy = tfdist.make_strategy(sys.argv[1], precision="mixed_float16", **options)
+digits = data.load_dataset("mnist")
+x, y = digits.train_images[:64].astype("float32") / 255.0, digits.train_labels[:64]
+x[40] = 1e5  # float16 overflows in the replica whose half of the global batch holds example 40.
+with strategy.scope():
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+before = [np.asarray(w) for w in model.get_weights()]
+scale = float(model.optimizer.initial_scale)
+tfdist.fit(model, x, y, batch_size=64, epochs=1, max_steps=1, verbose=0)
+after = [np.asarray(w) for w in model.get_weights()]
+unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
+finite = all(np.isfinite(a).all() for a in after)
+digest = hashlib.sha256(b"".join(a.tobytes() for a in after)).hexdigest()[:16]
+print(f"scale {scale:g} -> {float(model.optimizer.dynamic_scale.numpy()):g} unchanged={unchanged} "
+      f"finite={finite} weights={digest}", flush=True)
