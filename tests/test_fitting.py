@@ -196,3 +196,39 @@ def test_make_strategy_returns_the_tf_strategy_and_refuses_unknown_options():
         tfdist.make_strategy("mirrored", replicas=2)
     with pytest.raises(tfdist.UserError, match="not a known strategy"):
         tfdist.make_strategy("mirror")
+
+
+def test_a_dataset_of_global_batches_trains_the_same_on_one_and_two_replicas():
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(64, drop_remainder=True)
+    weights = []
+    for name, options in (("default", {}), ("mirrored", {"num_cpu_replicas": 2, **MIRRORED})):
+        strategy = tfdist.make_strategy(name, precision="float32", **options)
+        with strategy.scope():
+            model = dense_model()
+        history = tfdist.fit(model, dataset, epochs=2, verbose=0, validation_data=dataset.take(4))
+        assert len(history.history["loss"]) == 2 and set(history.history) == {"loss", "accuracy", "val_loss",
+                                                                                "val_accuracy"}
+        weights.append(model.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_dataset_function_of_per_replica_batches():
+    def dataset_fn(context):
+        batch = context.get_per_replica_batch_size(64)
+        return tf.data.Dataset.from_tensor_slices((X, Y)).shard(context.num_input_pipelines,
+                                                                context.input_pipeline_id).batch(batch)
+
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = dense_model()
+    history = tfdist.fit(model, dataset_fn, batch_size=64, steps_per_epoch=16, epochs=2, verbose=0)
+    assert history.history["loss"][1] < history.history["loss"][0]
+    with strategy.scope():
+        other = dense_model()
+    bad(r"returns batches of 64 examples, but batch_size=64 over 2 replica\(s\) means 32 per replica", other,
+        lambda context: tf.data.Dataset.from_tensor_slices((X, Y)).batch(64, drop_remainder=True),
+        batch_size=64, steps_per_epoch=4)
+    bad("yields single examples", other, lambda context: tf.data.Dataset.from_tensor_slices((X, Y)),
+        batch_size=64, steps_per_epoch=4)
+    bad("pass batch_size= \\(the global batch\\) and steps_per_epoch=", other, dataset_fn)

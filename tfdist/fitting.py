@@ -88,6 +88,131 @@ def _split_validation(validation_data: Any) -> tuple:
         f"{type(validation_data).__name__}{'' if not isinstance(validation_data, (tuple, list)) else f' of length {len(validation_data)}'}.")
 
 
+class _Source:
+    """What the training data is: arrays, a dataset of global batches, or a dataset function."""
+
+    def __init__(self, kind: str, *, batch_size: Optional[int], num_examples: int, steps_per_epoch: Optional[int],
+                 arrays: Optional[inputs.Arrays] = None, dataset: Optional[tf.data.Dataset] = None,
+                 function: Any = None, spec: Any = None, model: Optional[keras.Model] = None):
+        self.kind, self.batch_size, self.num_examples = kind, batch_size, num_examples
+        self.steps_per_epoch, self.arrays, self.dataset, self.function = steps_per_epoch, arrays, dataset, function
+        self.spec, self.model = spec, model
+
+    def example(self, size: int) -> tuple:
+        if self.arrays is not None:
+            return inputs.map_present(lambda a: a[:size], self.arrays.structure)
+        element = tuple(self.spec) + (None,) * (3 - len(self.spec))
+        return inputs.map_present(lambda s: keras.KerasTensor((size, *s.shape[1:]), s.dtype.name), element)
+
+    def check_batches(self, plan: LoopPlan) -> None:
+        if self.kind != "dataset_fn":
+            return
+        for leaf in tf.nest.flatten(self.spec[0]):
+            size = leaf.shape[0] if leaf.shape.rank else None
+            if size is not None and size != plan.per_replica_batch:
+                raise _fail(
+                    f"The dataset function returns batches of {size} examples, but batch_size={plan.global_batch} "
+                    f"over {plan_replicas(plan)} replica(s) means {plan.per_replica_batch} per replica; batch it "
+                    "with input_context.get_per_replica_batch_size(batch_size).")
+
+    def dataset_fn(self, plan: LoopPlan, backend: Backend, first: int) -> inputs.DatasetFn:
+        if self.kind == "arrays":
+            if not backend.sharded_input:
+                return inputs.random_order_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch)
+            return inputs.train_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch,
+                                          steps_per_epoch=plan.steps_per_epoch, seed=plan.seed, start_step=first,
+                                          total_steps=plan.total_steps)
+        if self.kind == "dataset":
+            return inputs.global_batches_fn(self.dataset, per_replica_batch=plan.per_replica_batch,
+                                            start_step=first if backend.sharded_input else 0)
+        return inputs.resumed_fn(self.function, start_step=first, sharded=backend.sharded_input)
+
+
+def _check_rank(model: keras.Model, spec: Any, what: str) -> None:
+    """A dataset yielding single examples instead of batches is recognised by its rank."""
+    try:
+        wanted = [len(t.shape) for t in tf.nest.flatten(model.inputs)]
+    except (AttributeError, ValueError):
+        return
+    given = [leaf.shape.rank for leaf in tf.nest.flatten(spec)]
+    if len(wanted) == len(given) and all(g is not None and g == w - 1 for g, w in zip(given, wanted)):
+        raise _fail(f"{what} yields single examples (shape {tf.nest.flatten(spec)[0].shape}), not batches; batch "
+                    "it (dataset.batch(...)) before passing it to tfdist.fit.")
+
+
+def _element_spec(model: keras.Model, dataset: tf.data.Dataset, what: str) -> tuple:
+    spec = dataset.element_spec
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        raise _fail(f"{what} must yield (x, y) or (x, y, sample_weight) batches, not {spec}.")
+    _check_rank(model, spec[0], what)
+    return spec
+
+
+def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: Any, batch_size: Any,
+            steps_per_epoch: Optional[int]) -> _Source:
+    if isinstance(x, tf.data.Dataset):
+        if y is not None or sample_weight is not None:
+            raise _fail("x is a tf.data.Dataset, so y and sample_weight must come from it; drop y=/sample_weight=.")
+        if not backend.sharded_input:
+            raise _fail("Under parameter servers pass a dataset function (input_context -> per-replica batches) "
+                        "or arrays; a tf.data.Dataset object cannot be sent to the workers.")
+        spec = _element_spec(model, x, "The training dataset")
+        static = tf.nest.flatten(spec[0])[0].shape[0]
+        if batch_size is None:
+            batch_size = static
+            if batch_size is None:
+                raise _fail("The training dataset's batch size is not fixed (batch it with drop_remainder=True) "
+                            "or pass batch_size= (the global batch, examples per step over all replicas).")
+        if steps_per_epoch is None:
+            cardinality = int(x.cardinality())
+            if cardinality < 0:
+                raise _fail("The training dataset is infinite or of unknown length; pass steps_per_epoch=.")
+            steps_per_epoch = cardinality if static == batch_size else max(0, cardinality - 1)
+        return _Source("dataset", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
+                       steps_per_epoch=steps_per_epoch, dataset=x, spec=spec, model=model)
+    if callable(x):
+        if batch_size is None or steps_per_epoch is None:
+            raise _fail("With a dataset function, pass batch_size= (the global batch) and steps_per_epoch=.")
+        if y is not None or sample_weight is not None:
+            raise _fail("x is a dataset function, so y and sample_weight must come from it; drop y=/sample_weight=.")
+        replicas = backend.num_replicas
+        context = tf.distribute.InputContext(max(1, backend.num_workers) if backend.sharded_input else 1,
+                                             backend.worker_index if backend.sharded_input else 0, replicas)
+        try:
+            probe = x(context)
+        except Exception as e:  # The user's function: say where it failed, in one paragraph.
+            raise _fail(f"The dataset function failed when called with an InputContext: "
+                        f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        if not isinstance(probe, tf.data.Dataset):
+            raise _fail(f"The dataset function must return a tf.data.Dataset, not {type(probe).__name__}.")
+        spec = _element_spec(model, probe, "The dataset function's dataset")
+        return _Source("dataset_fn", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
+                       steps_per_epoch=steps_per_epoch, function=x, spec=spec, model=model)
+    if batch_size is None:
+        raise _fail("batch_size=None: pass the global batch size (examples per optimizer step over all replicas).")
+    arrays = arrays_from(model, x, y, sample_weight, "x/y")
+    return _Source("arrays", batch_size=batch_size, num_examples=arrays.num_examples,
+                   steps_per_epoch=steps_per_epoch, arrays=arrays)
+
+
+def _validation(model: keras.Model, validation_data: Any, source: _Source) -> Optional[inputs.Arrays]:
+    if validation_data is None:
+        return None
+    if isinstance(validation_data, tf.data.Dataset):
+        _element_spec(model, validation_data, "validation_data")
+        try:
+            validation_data = inputs.to_arrays(validation_data)  # Read once: evaluation is exact over arrays.
+        except ValueError as e:
+            raise _fail(f"validation_data: {e}.") from None
+    vx, vy, vw = _split_validation(validation_data)
+    validation = arrays_from(model, vx, vy, vw, "validation_data")
+    if source.arrays is not None and tf.nest.map_structure(lambda a: a.shape[1:], validation.x) != \
+            tf.nest.map_structure(lambda a: a.shape[1:], source.arrays.x):
+        raise _fail("validation_data's inputs do not have the shapes of the training inputs (apart from the "
+                    "number of examples); pass (x_val, y_val) structured like x and y.")
+    return validation
+
+
 # Strategy and model ---------------------------------------------------------------
 def _backend(strategy: Any) -> Backend:
     if strategy is not None:
@@ -188,7 +313,7 @@ def fit(
     x: Any = None,
     y: Any = None,
     *,
-    batch_size: int,
+    batch_size: Optional[int] = None,
     epochs: int = 1,
     validation_data: Any = None,
     sample_weight: Any = None,
@@ -224,29 +349,19 @@ def fit(
         raise _fail(f"epochs={epochs} must be 1 or more.")
     if grad_accum_steps < 1:
         raise _fail(f"grad_accum_steps={grad_accum_steps} must be 1 or more.")
+    source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch)
+    batch_size = source.batch_size
     if batch_size is None or int(batch_size) < 1:
         raise _fail(f"batch_size={batch_size!r} must be a positive global batch size (examples per optimizer step "
                     "over all replicas).")
-    dataset_kind = "arrays"
-    if isinstance(x, tf.data.Dataset) or callable(x):
-        raise _fail("tfdist.fit takes arrays (numpy, dicts or lists of arrays) in this version; tf.data.Dataset "
-                    "and dataset-function inputs are not supported yet. Pass x=..., y=... arrays.")
-    train = arrays_from(model, x, y, sample_weight, "x/y")
-    validation = None
-    if validation_data is not None:
-        vx, vy, vw = _split_validation(validation_data)
-        validation = arrays_from(model, vx, vy, vw, "validation_data")
-        if tf.nest.map_structure(lambda a: a.shape[1:], validation.x) != \
-                tf.nest.map_structure(lambda a: a.shape[1:], train.x):
-            raise _fail("validation_data's inputs do not have the shapes of the training inputs (apart from the "
-                        "number of examples); pass (x_val, y_val) structured like x and y.")
+    validation = _validation(model, validation_data, source)
     _check_scope(model, backend)
-    plan = _plan(backend, num_train=train.num_examples, batch_size=int(batch_size), epochs=epochs,
+    plan = _plan(backend, num_train=source.num_examples, batch_size=int(batch_size), epochs=epochs,
                  grad_accum_steps=grad_accum_steps, steps_per_execution=steps_per_execution,
-                 steps_per_epoch=steps_per_epoch, seed=seed, max_steps=max_steps,
-                 extra={"data": dataset_kind, "num_train": train.num_examples, **(plan_extra or {})})
-    example = inputs.map_present(lambda a: a[:plan.micro_batch], train.structure)
-    _build(model, backend, example)
+                 steps_per_epoch=source.steps_per_epoch, seed=seed, max_steps=max_steps,
+                 extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {})})
+    source.check_batches(plan)
+    _build(model, backend, source.example(plan.micro_batch))
 
     with backend.scope():
         if step_counter is None:
@@ -285,7 +400,7 @@ def fit(
         step_functions = steps_lib.StepFunctions(model, backend, grad_accum_steps=grad_accum_steps,
                                                  step_counter=step_counter,
                                                  jit_compile=_resolve_jit(jit_compile, backend, model))
-        result = _run(model, backend, plan, train, validation, step_functions, checkpoint, manager, rundir,
+        result = _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir,
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
                       summary_every_steps, profile_steps)
     if _report is not None:
@@ -308,17 +423,11 @@ def _resolve_jit(jit_compile: Any, backend: Backend, model: keras.Model) -> bool
     return bool(jit_compile)
 
 
-def _run(model, backend, plan, train, validation, step_functions, checkpoint, manager, rundir, step_counter,
+def _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir, step_counter,
          start_step, callbacks, checkpoint_every_steps, verbose, precision, summary_every_steps,
          profile_steps) -> LoopResult:
     replicas = backend.num_replicas
-    if backend.sharded_input:
-        train_fn = lambda first: iter(backend.distribute_dataset(inputs.train_arrays_fn(  # noqa: E731
-            train, per_replica_batch=plan.per_replica_batch, steps_per_epoch=plan.steps_per_epoch, seed=plan.seed,
-            start_step=first, total_steps=plan.total_steps)))
-    else:
-        train_fn = lambda first: iter(backend.distribute_dataset(inputs.random_order_arrays_fn(  # noqa: E731
-            train, per_replica_batch=plan.per_replica_batch)))
+    train_fn = lambda first: iter(backend.distribute_dataset(source.dataset_fn(plan, backend, first)))  # noqa: E731
     eval_fn, eval_steps, eval_examples = None, 0, None
     if validation is not None:
         eval_batch = max(plan.per_replica_batch, 64)

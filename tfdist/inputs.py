@@ -183,3 +183,50 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
         return ds.prefetch(tf.data.AUTOTUNE).with_options(options())
 
     return dataset_fn
+
+
+def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start_step: int = 0) -> DatasetFn:
+    """Per-replica batches cut from a dataset of global batches, the same way on every topology.
+
+    Every pipeline reads the whole dataset (repeated), re-cuts it into global
+    batches of ``per_replica_batch x replicas`` and keeps its replicas' slices
+    of each, in replica order, so the examples of a step do not depend on the
+    topology (for a deterministic dataset). `start_step` global batches are skipped.
+    """
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        here = _replicas_here(ctx)
+        first = ctx.input_pipeline_id * here
+        global_batch = per_replica_batch * ctx.num_replicas_in_sync
+
+        def mine(*element: Any) -> tf.data.Dataset:
+            def cut(t: tf.Tensor) -> tf.Tensor:
+                part = t[first * per_replica_batch:(first + here) * per_replica_batch]
+                return tf.reshape(part, tf.concat([[here, per_replica_batch], tf.shape(t)[1:]], 0))
+
+            return tf.data.Dataset.from_tensor_slices(tuple(map_present(cut, element)))
+
+        ds = dataset.repeat().unbatch().batch(global_batch, drop_remainder=True).skip(start_step)
+        return ds.flat_map(mine).prefetch(tf.data.AUTOTUNE).with_options(options())
+
+    return dataset_fn
+
+
+def resumed_fn(dataset_fn: DatasetFn, *, start_step: int, sharded: bool = True) -> DatasetFn:
+    """A user's dataset function, repeated, with the batches of `start_step` steps skipped."""
+
+    def wrapped(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        ds = dataset_fn(ctx).repeat()
+        if sharded and start_step:
+            ds = ds.skip(start_step * _replicas_here(ctx))
+        return ds
+
+    return wrapped
+
+
+def to_arrays(dataset: tf.data.Dataset) -> tuple:
+    """Reads a finite dataset of batches into one structure of arrays (validation data)."""
+    parts = list(dataset.as_numpy_iterator())
+    if not parts:
+        raise ValueError("the dataset is empty")
+    return tf.nest.map_structure(lambda *leaves: np.concatenate(leaves), *parts)
