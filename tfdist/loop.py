@@ -260,17 +260,26 @@ class Controller:
                 t0 = time.perf_counter()
                 pending: collections.deque = collections.deque()
                 dispatched = step
-                while dispatched < boundary and len(pending) < backend.max_in_flight:
-                    if backend.single_controller and stop.requested:
-                        break
-                    num = min(plan.steps_per_execution, boundary - dispatched)
-                    pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
-                                                          tf.constant(1.0 if stop.requested else 0.0))))
-                    dispatched += num
+
+                def fill() -> None:
+                    # Keep up to max_in_flight executions outstanding (1 for synchronous strategies;
+                    # parameter-server workers get a new one as each finishes), never past the boundary.
+                    nonlocal dispatched
+                    while dispatched < boundary and len(pending) < backend.max_in_flight:
+                        if backend.single_controller and stop.requested:
+                            return
+                        num = min(plan.steps_per_execution, boundary - dispatched)
+                        pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
+                                                              tf.constant(1.0 if stop.requested else 0.0))))
+                        dispatched += num
+
+                fill()
                 segment_examples, agreed_stop = 0, False
                 while pending:
                     num, handle = pending.popleft()
                     totals = backend.fetch(handle)
+                    if backend.max_in_flight > 1:  # Asynchronous workers: refill as each one finishes.
+                        fill()
                     step += num
                     segment_examples += num * plan.global_batch
                     agreed_stop = agreed_stop or totals[2] > 0
