@@ -290,9 +290,13 @@ class Launcher:
         for task in tasks if tasks is not None else self.tasks:
             task.send(sig)
 
+    def _any_running(self) -> bool:
+        """Polls every task (not stopping at the first running one, so every exit is noticed)."""
+        return [t.process.poll() for t in self.tasks].count(None) > 0
+
     def _wait_all(self, seconds: float) -> None:
         deadline = time.time() + seconds
-        while time.time() < deadline and any(t.process.poll() is None for t in self.tasks):
+        while time.time() < deadline and self._any_running():
             time.sleep(0.05)
 
     def _stop_all(self) -> None:
@@ -337,7 +341,7 @@ class Launcher:
     def _wait_all_equal(self) -> int:
         """Synchronous jobs: any task failing fails the job; all stop together."""
         failed: Optional[_Task] = None
-        while any(t.process.poll() is None for t in self.tasks):
+        while self._any_running():
             failed = self._first_failure()
             if failed is not None:
                 if self._signal is None:
