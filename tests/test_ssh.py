@@ -128,3 +128,17 @@ def test_unreachable_host_or_refused_key_fails_before_any_task_starts(tmp_path, 
     assert result.stderr.startswith("tfdist-launch: error: ") and expected in result.stderr, result.stderr
     assert "No task was started." in result.stderr and "Traceback" not in result.stderr
     assert "started worker" not in result.stdout
+
+
+@needs_sshd
+def test_parameter_server_job_over_ssh(tmp_path, sshd):
+    workdir = tmp_path / "w"
+    job = Job(tmp_path, ["--strategy=parameter_server", "--epochs=1", "--max_steps=30", f"--workdir={workdir}"],
+              num_workers=2, launch_args=["--hosts=127.0.0.2:2,127.0.0.3:2", "--num_ps=1", *sshd.ssh_args(),
+                                          *TASK_ENV], wrap=sshd.wrap)
+    assert job.wait(timeout=300) == 0, job.output[-4000:] + sshd.log()
+    cluster = json.loads(re.search(r"tfdist-launch: cluster (.*)", job.output).group(1))
+    hosts = {role: [a.split(":")[0] for a in addresses] for role, addresses in cluster.items()}
+    assert hosts == {"chief": ["127.0.0.2"], "worker": ["127.0.0.2", "127.0.0.3"], "ps": ["127.0.0.3"]}
+    assert json.loads((workdir / "metrics.json").read_text())["steps"] == 30
+    assert "tfdist-launch: the chief finished; job done." in job.output
