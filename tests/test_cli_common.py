@@ -43,6 +43,9 @@ def test_the_filter_forwards_every_other_line_in_order():
             "    os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n')\n"
             "    os.write(2, b'I0000 00:00:1.2    42 port.cc:153] oneDNN custom operations are on. You may\\n')\n"
             "    os.write(2, b'E0000 00:00:1.3    42 something.cc:9] real error 2\\n')\n"
+            "    os.write(2, b'2026-11-30 20:29:11.987187: E external/local_xla/xla/stream_executor/cuda/cuda_fft.cc:477]"
+            " Unable to register cuFFT factory: Attempting to register factory for plugin cuFFT when one has already "
+            "been registered\\n')\n"
             "os.write(2, b'after\\n')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
                             cwd=REPO, timeout=60)

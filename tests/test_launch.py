@@ -136,6 +136,9 @@ def test_print_tf_config_for_job_files():
     assert result.returncode == 0, result.stderr
     cluster_ = json.loads(re.findall(r"^TF_CONFIG='(.*)'$", result.stdout, re.M)[0])["cluster"]
     assert cluster_ == {"chief": ["node1:2222"], "worker": ["node1:2223"], "ps": ["node2:2222"]}
+    # user@host: ssh logs in as user; the other tasks reach the host by its name.
+    result = run_module("tfdist.cli.launch", ["--print_tf_config", "--hosts=alice@node1,node2"], timeout=60)
+    assert '"worker":["node1:2222","node2:2222"]' in result.stdout, result.stderr
 
 
 def test_hostfile(tmp_path):

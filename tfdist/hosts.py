@@ -105,11 +105,16 @@ def place(hosts: Sequence[Host], num_tasks: int) -> list[str]:
     return slots[:num_tasks]
 
 
+def network_name(host: str) -> str:
+    """The name other tasks reach `host` by: `user@node1` -> `node1`."""
+    return host.rpartition("@")[2]
+
+
 def addresses(placement: Sequence[str], base_port: int) -> list[str]:
     """host:port per task, ports counting up from `base_port` on each host."""
     used: dict[str, int] = {}
     result = []
     for host in placement:
-        result.append(f"{host}:{base_port + used.get(host, 0)}")
+        result.append(f"{network_name(host)}:{base_port + used.get(host, 0)}")
         used[host] = used.get(host, 0) + 1
     return result

@@ -144,6 +144,8 @@ class _Task:
 
     def describe(self) -> str:
         code = self.process.returncode
+        if self.host is not None and code == 255:
+            return f"lost its SSH connection to {self.host} (ssh exited with status 255)"
         if self.host is None or not self.killed:
             return describe_status(code) + (f" on {self.host}" if self.host else "")
         return f"{describe_status(128 - code)} on {self.host}"
@@ -255,7 +257,7 @@ class Launcher:
         for host in dict.fromkeys(self.placement):  # Every host is reached before any task starts.
             taken = [p for chosen in ports.values() for p in chosen]  # Hosts may share a machine.
             ports[host] = self.ssh.probe_ports(host, self.placement.count(host), self.base_port, taken)
-        return [f"{host}:{ports[host].pop(0)}" for host in self.placement]
+        return [f"{hosts_lib.network_name(host)}:{ports[host].pop(0)}" for host in self.placement]
 
     def start(self) -> None:
         self.cluster = cluster_spec(self.layout, self._addresses())

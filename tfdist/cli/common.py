@@ -4,7 +4,9 @@ TensorFlow 2.21's C++ side prints, on every start, lines that are not addressed
 to the user: absl's "All log messages before absl::InitializeLog() ..." notice,
 the oneDNN notice and "Could not find cuda drivers" -- each twice, because two
 of its shared libraries carry their own logging -- and, on a machine without an
-NVIDIA driver, `E0000 ... failed call to cuInit`. The first ones are written at
+NVIDIA driver, `E0000 ... failed call to cuInit` (TensorFlow 2.18 prints its
+own variants, plus "Unable to register cuDNN/cuBLAS/cuFFT factory" errors that
+every machine gets). The first ones are written at
 library load, before any log level applies; TF_CPP_MIN_LOG_LEVEL is read once,
 at the first log call during the import, and never again, so raising it to 3
 "around the import" would hide every later C++ error of the run as well.
@@ -27,16 +29,21 @@ from typing import Callable, NoReturn
 
 from tfdist.errors import UserError, one_paragraph
 
+# A C++ log line's start: absl's format (TensorFlow 2.21) or TSL's own (TensorFlow 2.18), then the source path.
+_LOG = r"^(?:[IWEF]\d{4} \S+ +\d+ |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] )(?:\S*/)?"
 # Start-up lines TensorFlow prints on every run (regular expressions, one line each).
 STARTUP_NOISE = (
     r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$",
-    r"^I0000 \S+ +\d+ port\.cc:\d+\] oneDNN custom operations are on\.",
-    r"^I0000 \S+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine",
-    r"^I0000 \S+ +\d+ cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized",
+    _LOG + r"port\.cc:\d+\] oneDNN custom operations are on\.",
+    _LOG + r"cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine",
+    _LOG + r"cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized",
     r"^To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags\.$",
+    # TensorFlow 2.18: its CUDA plugins register twice, on every machine (tensorflow/tensorflow#62075).
+    _LOG + r"cuda_(?:fft|dnn|blas)\.cc:\d+\] Unable to register cu(?:FFT|DNN|BLAS) factory: Attempting to "
+           r"register factory for plugin cu(?:FFT|DNN|BLAS) when one has already been registered$",
 )
 # Only noise when no NVIDIA driver is loaded: with one, a failing cuInit is a real error.
-NO_DRIVER_NOISE = r"^E0000 \S+ +\d+ cuda_platform\.cc:\d+\] failed call to cuInit: "
+NO_DRIVER_NOISE = _LOG + r"cuda_(?:platform|driver)\.cc:\d+\] failed call to cuInit: "
 
 _FILTER = r"""
 import re, sys
