@@ -47,6 +47,14 @@ def leftovers(marker: str) -> list[str]:
     return found
 
 
+def assert_no_leftovers(marker: str, context: str = "") -> None:
+    """Within 20 s no process of the job is left on either "host" (processes take a moment to exit)."""
+    deadline = time.time() + 20
+    while leftovers(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert leftovers(marker) == [], f"a remote task or its ssh session outlived the launcher\n{context[-3000:]}"
+
+
 def test_remote_command_quotes_and_watchdog_compiles():
     config = ssh.SshConfig(port=2200, identity="/k", options=("A=b",), python="/venv/bin/python", cwd="/w d")
     argv = config.task_command("node1", "worker:0", ["prog", "it's", "$HOME"], {"TF_CONFIG": '{"a": 1}'})
@@ -86,10 +94,7 @@ def test_a_killed_remote_task_ends_the_job_and_leaves_no_process(tmp_path, sshd)
     code = job.wait(timeout=120)
     assert code == 137 and time.time() - killed_at < 60, job.output[-4000:]
     assert "tfdist-launch: worker:1 was killed by SIGKILL on 127.0.0.3" in job.output
-    deadline = time.time() + 20
-    while leftovers(str(workdir)) and time.time() < deadline:
-        time.sleep(0.2)
-    assert leftovers(str(workdir)) == [], "a remote task or its ssh session outlived the launcher"
+    assert_no_leftovers(str(workdir), job.output)
 
 
 @needs_sshd
@@ -109,10 +114,7 @@ def test_closing_the_ssh_session_kills_the_remote_task(tmp_path, sshd):
     launcher = [int(line.split()[0]) for line in leftovers("tfdist.cli.launch") if marker in line and "netns" not in line]
     os.kill(launcher[0], signal.SIGKILL)
     harness.wait(timeout=60)
-    deadline = time.time() + 20
-    while leftovers(marker) and time.time() < deadline:
-        time.sleep(0.2)
-    assert leftovers(marker) == [], "".join(lines)
+    assert_no_leftovers(marker, "".join(lines))
 
 
 @needs_sshd
@@ -142,3 +144,15 @@ def test_parameter_server_job_over_ssh(tmp_path, sshd):
     assert hosts == {"chief": ["127.0.0.2"], "worker": ["127.0.0.2", "127.0.0.3"], "ps": ["127.0.0.3"]}
     assert json.loads((workdir / "metrics.json").read_text())["steps"] == 30
     assert "tfdist-launch: the chief finished; job done." in job.output
+
+
+@needs_sshd
+def test_sigterm_to_the_launcher_reaches_the_remote_tasks(tmp_path, sshd):
+    """A preemption: SIGTERM travels through each SSH session; the workers checkpoint and exit 143."""
+    workdir = tmp_path / "w"
+    job = Job(tmp_path, ["--strategy=multi_worker_mirrored", "--steps_per_execution=1",
+                         "--checkpoint_every_steps=20", f"--workdir={workdir}"], num_workers=2,
+              launch_args=[HOSTS, *sshd.ssh_args(), *TASK_ENV], wrap=sshd.wrap)
+    step = job.preempt_after_first_checkpoint()
+    assert 0 < step < 310 and f"ckpt-{step}.index" in os.listdir(workdir / "checkpoints")
+    assert_no_leftovers(str(workdir), job.output)
