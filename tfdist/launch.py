@@ -252,7 +252,9 @@ class Launcher:
         """host:port per task: free loopback ports here, or ports checked free on each host over ssh."""
         roles = self.layout.roles()
         if self.placement is None:
-            return [f"{self.host}:{p}" for p in free_ports(len(roles), self.host)]
+            ports = range(self.base_port, self.base_port + len(roles)) if self.base_port else \
+                free_ports(len(roles), self.host)
+            return [f"{self.host}:{p}" for p in ports]
         ports: dict[str, list[int]] = {}
         for host in dict.fromkeys(self.placement):  # Every host is reached before any task starts.
             taken = [p for chosen in ports.values() for p in chosen]  # Hosts may share a machine.

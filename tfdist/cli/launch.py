@@ -47,7 +47,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--hostfile", default=None, help="A file of 'HOST slots=N' lines, instead of --hosts.")
     parser.add_argument("--port", type=int, default=None,
                         help="First task port on each host (the next task on that host gets the next port). "
-                             "Default: with --print_tf_config 2222; over ssh, free ports chosen on each host.")
+                             "Default: with --print_tf_config 2222; otherwise free ports chosen on each host.")
     parser.add_argument("--ssh_port", type=int, default=None, help="Port of the hosts' SSH servers (default 22).")
     parser.add_argument("--ssh_identity", default=None, help="Private key file for ssh -i.")
     parser.add_argument("--ssh_option", action="append", default=[],
@@ -179,7 +179,8 @@ def main(argv: list[str]) -> int:
                   "ports. Run on a trusted network or behind a firewall (--network=host silences this).",
                   file=sys.stderr, flush=True)
     return Launcher(command, layout, grace_s=args.grace_s, restart_workers=args.restart_workers, task_env=env,
-                    max_restarts=args.max_restarts, restart_backoff_s=args.restart_backoff_s).run()
+                    base_port=args.port or 0, max_restarts=args.max_restarts,
+                    restart_backoff_s=args.restart_backoff_s).run()
 
 
 def run() -> None:
