@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional
 
 from tfdist.errors import UserError, one_paragraph
 
@@ -88,8 +88,12 @@ class _filtered_stderr:
         self.patterns = patterns
 
     def __enter__(self) -> None:
-        sys.stderr.flush()
-        self.saved = os.dup(2)
+        self.filter: Optional[subprocess.Popen] = None
+        try:
+            sys.stderr.flush()
+            self.saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):  # No usable stderr: nothing to filter.
+            return
         read, write = os.pipe()
         try:
             self.filter = subprocess.Popen([sys.executable, "-I", "-S", "-c", _FILTER, *self.patterns],
@@ -98,7 +102,6 @@ class _filtered_stderr:
             os.close(read)
             os.close(write)
             os.close(self.saved)
-            self.filter = None
             return
         os.close(read)
         os.dup2(write, 2)
