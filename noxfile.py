@@ -8,11 +8,18 @@ Sessions:
                         Gloo (the newest TensorFlow horovod still builds against);
                         the Horovod tests run here for real.
 Pass pytest arguments after --, e.g. `python3 -m nox -s tests-tf2.21 -- -k cluster`.
+
+Both sessions first make sure an OpenSSH server is installed for the SSH tests
+(tests/test_ssh.py): as root, on a machine with apt-get and no /usr/sbin/sshd,
+they install Debian's openssh-server. Elsewhere (not root, or the install
+fails) those tests skip and say why.
 """
 
 import os
+import shutil
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.sessions = ["tests-tf2.21", "tests-tf2.18-horovod"]
 nox.options.error_on_missing_interpreters = True
@@ -28,14 +35,32 @@ HOROVOD_BUILD_ENV = {
 }
 
 
+def ensure_sshd(session: nox.Session) -> None:
+    """Installs openssh-server (sshd, ssh, ssh-keygen) for the SSH tests, only as root and only if missing."""
+    if os.path.exists("/usr/sbin/sshd") and shutil.which("ssh") and shutil.which("ssh-keygen"):
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        session.warn("no OpenSSH server here and no root/apt-get to install one: the SSH tests will skip")
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        session.run("apt-get", "update", "-q", external=True, env=env)
+        session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server", "openssh-client",
+                    external=True, env=env)
+    except CommandFailed:
+        session.warn("installing openssh-server failed: the SSH tests will skip")
+
+
 @nox.session(name="tests-tf2.21")
 def tests_tf221(session: nox.Session) -> None:
+    ensure_sshd(session)
     session.install("tensorflow==2.21.0", "-e", ".[test]")
     session.run(*PYTEST, *session.posargs)
 
 
 @nox.session(name="tests-tf2.18-horovod")
 def tests_tf218_horovod(session: nox.Session) -> None:
+    ensure_sshd(session)
     # tensorflow-metadata >= 1.17 needs protobuf >= 6, which TensorFlow 2.18 excludes.
     session.install("tensorflow==2.18.1", "tensorflow-metadata<1.17", "-e", ".[test]")
     session.install("setuptools>=65,<81", "wheel")  # horovod builds with the machine's cmake and g++.

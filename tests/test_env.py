@@ -1,7 +1,10 @@
 """tfdist.cli.env: the diagnostics report."""
 
 import json
+import os
+import shutil
 
+import pytest
 import tensorflow as tf
 
 from tests.conftest import run_module
@@ -44,3 +47,30 @@ def test_text_report():
     result = run_module("tfdist.cli.env", [], timeout=120)
     assert result.returncode == 0
     assert "--precision=auto would choose:" in result.stdout and "tensorflow: " in result.stdout
+
+
+def test_report_has_gpu_build_driver_and_ssh():
+    data = report()
+    build = tf.sysconfig.get_build_info()
+    assert data["gpu_build"]["is_cuda_build"] == bool(build.get("is_cuda_build"))
+    assert data["gpu_build"]["cuda_version"] == build.get("cuda_version")
+    assert data["gpu_build"]["cudnn_version"] == build.get("cudnn_version")
+    assert "nccl_version" in data["gpu_build"]
+    if not os.path.exists("/proc/driver/nvidia/version") and not shutil.which("nvidia-smi"):
+        assert data["gpu_driver_version"] is None
+    assert data["ssh_client"]["present"] == (shutil.which("ssh") is not None)
+    if data["ssh_client"]["present"]:
+        assert data["ssh_client"]["version"].startswith("OpenSSH")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
+     "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n", "535.104.05"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  (dvs-builder@U16-I3-B03-4-3)"
+     "  Thu Jan 23 23:08:25 UTC 2025\n", "570.86.15"),
+])
+def test_driver_version_from_the_proc_file(tmp_path, text, expected):
+    from tfdist.cli import env
+
+    (tmp_path / "version").write_text(text)
+    assert env.gpu_driver_version(str(tmp_path / "version")) == expected

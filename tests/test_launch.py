@@ -26,13 +26,13 @@ TRAIN = [sys.executable, "-m", "tfdist.cli.train"]
 class Job:
     """tfdist-launch in a subprocess, its output collected line by line."""
 
-    def __init__(self, tmp_path, train_args, num_workers=2, launch_args=()):
+    def __init__(self, tmp_path, train_args, num_workers=2, launch_args=(), wrap=lambda command: command):
         self.scratch = tmp_path / "tmp"
         self.scratch.mkdir(exist_ok=True)
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tfdist.cli.launch", f"--num_workers={num_workers}", *launch_args, "--",
-             *TRAIN, *train_args],
+            wrap([sys.executable, "-m", "tfdist.cli.launch", f"--num_workers={num_workers}", *launch_args, "--",
+                  *TRAIN, *train_args]),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
             env=subprocess_env({"TMPDIR": str(self.scratch)}),
         )
@@ -48,10 +48,11 @@ class Job:
         self.reader.join(timeout=10)
         return code
 
-    def wait_for(self, pattern, timeout=180):
+    def wait_for(self, pattern, timeout=180, after=0):
+        """The first match of `pattern` in the output from character `after` on, once it appears."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            match = re.search(pattern, self.output)
+            match = re.compile(pattern).search(self.output, after)
             if match:
                 return match
             assert self.proc.poll() is None, self.output[-4000:]
@@ -59,7 +60,11 @@ class Job:
         raise AssertionError(f"{pattern!r} never appeared:\n{self.output[-4000:]}")
 
     def pids(self) -> dict:
-        return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", self.output)}
+        """The latest pid of each task: local ones, and remote ones as their hosts' watchdogs report them."""
+        pids = {}
+        for pattern in (r"started (\S+) \(pid (\d+)\)", r"^\[\S+\] tfdist-launch: (\S+) runs as pid (\d+) on"):
+            pids.update({m.group(1): int(m.group(2)) for m in re.finditer(pattern, self.output, re.M)})
+        return pids
 
     def kill_after_first_checkpoint(self, task: str) -> float:
         """SIGKILLs `task` once the chief has saved a checkpoint; returns when."""
@@ -121,24 +126,92 @@ def test_isolated_network_has_only_loopback():
 
 
 def test_print_tf_config_for_job_files():
-    result = run_module("tfdist.cli.launch", ["--print_tf_config", "--num_workers=2",
-                                              "--hosts=node1:2222,node2:2222"], timeout=60)
+    result = run_module("tfdist.cli.launch", ["--print_tf_config", "--hosts=node1,node2", "--port=2222"], timeout=60)
     assert result.returncode == 0, result.stderr
     configs = re.findall(r"^TF_CONFIG='(.*)'$", result.stdout, re.M)
     assert [json.loads(c)["task"] for c in configs] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
     assert json.loads(configs[0])["cluster"] == {"worker": ["node1:2222", "node2:2222"]}
+    # Slots: tasks fill each host in order, ports count up per host; the worker count follows the slots.
+    result = run_module("tfdist.cli.launch", ["--print_tf_config", "--hosts=node1:2,node2", "--num_ps=1"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    cluster_ = json.loads(re.findall(r"^TF_CONFIG='(.*)'$", result.stdout, re.M)[0])["cluster"]
+    assert cluster_ == {"chief": ["node1:2222"], "worker": ["node1:2223"], "ps": ["node2:2222"]}
+    # user@host: ssh logs in as user; the other tasks reach the host by its name.
+    result = run_module("tfdist.cli.launch", ["--print_tf_config", "--hosts=alice@node1,node2"], timeout=60)
+    assert '"worker":["node1:2222","node2:2222"]' in result.stdout, result.stderr
+
+
+def test_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# DeepSpeed/MPI style\nnode1 slots=2\n\nnode2   slots = 1  # comment\nnode3\n")
+    from tfdist import hosts
+
+    assert hosts.parse_hostfile(str(hostfile)) == [hosts.Host("node1", 2), hosts.Host("node2", 1),
+                                                   hosts.Host("node3", 1)]
+    result = run_module("tfdist.cli.launch", ["--print_tf_config", f"--hostfile={hostfile}"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert '"worker":["node1:2222","node1:2223","node2:2222","node3:2222"]' in result.stdout
 
 
 @pytest.mark.parametrize("args, expected", [
     (["--num_workers=2"], "No command to launch"),
     (["--num_workers=0", "--", "true"], "--num_workers=0 must be 1 or more"),
-    (["--print_tf_config", "--num_workers=2", "--hosts=a:1"], r"1 address(es) given for 2 task(s)"),
-    (["--print_tf_config", "--num_workers=2", "--hosts=a:1,a:1"], 'duplicates cluster.worker[0]'),
+    (["--print_tf_config", "--num_workers=2", "--hosts=a:1"], "The job has 2 task(s) but the hosts offer only 1 slot(s)"),
+    (["--print_tf_config", "--hosts=a:1,a:1"], "lists 'a' twice"),
+    (["--print_tf_config", "--hosts=a,,b"], "has an empty entry (number 2)"),
+    (["--print_tf_config", "--hosts=a:x"], "bad slot count 'x'"),
+    (["--print_tf_config", "--hosts=a:0"], "bad slot count '0'"),
+    (["--print_tf_config", "--hosts=node1:2222,node1:2223,node2:2222"],
+     "The same cluster in the new form: --hosts=node1:2,node2 --port=2222."),
+    (["--hostfile=/nonexistent/hosts", "--", "true"], "--hostfile='/nonexistent/hosts' does not exist"),
+    (["--max_restarts=-1", "--", "true"], "--max_restarts=-1 must be 0 or more"),
+    (["--max_restarts=1", "--", "tfdist-train"], "give tfdist-train --workdir=DIR"),
+    (["--print_tfjob", "--num_workers=2", "--", "tfdist-train"], "--print_tfjob needs --image=IMAGE"),
+    (["--env=1X=2", "--", "true"], "is not a variable name"),
+    (["--hosts=a", "--network=isolated", "--", "true"], "--network=isolated cannot be used with --hosts"),
 ])
 def test_launcher_bad_input(args, expected):
     result = run_module("tfdist.cli.launch", args, timeout=60)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("tfdist-launch: error: ") and expected in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("tfdist-launch: error: ") and expected in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1  # One paragraph.
+
+
+def test_bad_hostfiles(tmp_path):
+    for text, expected in [("node1 slots=two\n", "line 1 ('node1 slots=two') does not parse"),
+                           ("node1 slots=1\nnode1 slots=2\n", "lists 'node1' twice"),
+                           ("# nothing\n", "lists no host")]:
+        (tmp_path / "hosts").write_text(text)
+        result = run_module("tfdist.cli.launch", ["--print_tf_config", f"--hostfile={tmp_path / 'hosts'}"],
+                            timeout=60)
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+
+
+def test_print_tfjob_manifest():
+    yaml = pytest.importorskip("yaml")
+    command = ["tfdist-train", "--strategy=parameter_server", "--workdir=/mnt/runs/ps", "--note=it's \"quoted\""]
+    result = run_module("tfdist.cli.launch", ["--print_tfjob", "--image=registry.example.com/tfdist:0.1",
+                                              "--num_workers=3", "--num_ps=2", "--job_name=mnist-ps", "--",
+                                              *command], timeout=60)
+    assert result.returncode == 0, result.stderr
+    job = yaml.safe_load(result.stdout)
+    assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("kubeflow.org/v1", "TFJob", "mnist-ps")
+    specs = job["spec"]["tfReplicaSpecs"]
+    assert {name: spec["replicas"] for name, spec in specs.items()} == {"Chief": 1, "Worker": 3, "PS": 2}
+    for spec in specs.values():
+        assert spec["restartPolicy"] == "OnFailure"
+        pod = spec["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["name"] == "tensorflow" and container["image"] == "registry.example.com/tfdist:0.1"
+        assert container["command"] == command
+        mount = container["volumeMounts"][0]
+        assert mount["mountPath"] == "/mnt/runs" and pod["volumes"][0]["name"] == mount["name"]
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    # A synchronous job: workers only (worker 0 is the chief); TFJob sets TF_CONFIG itself.
+    result = run_module("tfdist.cli.launch", ["--print_tfjob", "--image=img", "--num_workers=2", "--",
+                                              "tfdist-train", "--strategy=multi_worker_mirrored"], timeout=60)
+    job = yaml.safe_load(result.stdout)
+    assert list(job["spec"]["tfReplicaSpecs"]) == ["Worker"] and "TF_CONFIG" not in result.stdout.split("#")[-1]
 
 
 def test_two_workers_train_to_the_same_weights(tmp_path):
@@ -204,3 +277,33 @@ def test_a_failing_task_fails_the_launch_with_its_status_and_last_lines(tmp_path
     assert re.search(r"tfdist-launch: worker:\d exited with status 2\. Its last lines:\n.*"
                      r"tfdist-train: error: --global_batch_size=3 does not divide evenly across 2 replica", job.output,
                      re.S)
+
+
+RESTARTABLE = ["--strategy=multi_worker_mirrored", "--steps_per_execution=1", "--checkpoint_every_steps=10",
+               "--epochs=2"]
+
+
+def test_max_restarts_relaunches_after_a_killed_worker_and_finishes(tmp_path):
+    workdir = tmp_path / "w"
+    job = Job(tmp_path, [*RESTARTABLE, f"--workdir={workdir}"],
+              launch_args=["--max_restarts=1", "--restart_backoff_s=0.5", "--grace_s=5"])
+    job.kill_after_first_checkpoint("worker:1")
+    assert job.wait(timeout=240) == 0, job.output[-4000:]
+    restart = job.wait_for(r"tfdist-launch: restart 1 of 1: relaunching all 2 task\(s\)")
+    resumed = job.wait_for(r"\[worker:0\] .*Resuming from checkpoint \S+ckpt-(\d+) at step (\d+)\.", after=restart.end())
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert metrics["steps"] == 124 and metrics["resumed_from_step"] == int(resumed.group(2)) > 0
+    assert "all 2 task(s) finished" in job.output
+
+
+def test_max_restarts_gives_up_after_the_second_failure(tmp_path):
+    job = Job(tmp_path, [*RESTARTABLE, f"--workdir={tmp_path / 'w'}"],
+              launch_args=["--max_restarts=1", "--restart_backoff_s=0.5", "--grace_s=5"])
+    job.kill_after_first_checkpoint("worker:1")
+    restart = job.wait_for(r"tfdist-launch: restart 1 of 1")
+    again = job.wait_for(r"started worker:1 \(pid (\d+)\)", after=restart.end())
+    os.kill(int(again.group(1)), signal.SIGKILL)
+    code = job.wait(timeout=120)
+    assert code != 0, job.output[-4000:]
+    assert "tfdist-launch: the job failed again after 1 restart(s); giving up (--max_restarts=1)." in job.output
+    assert "restart 2" not in job.output

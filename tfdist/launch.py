@@ -1,11 +1,14 @@
-"""A local launcher for multi-process jobs: TF_CONFIG per task, free loopback ports.
+"""A launcher for multi-process jobs: TF_CONFIG per task, on this machine or over SSH.
 
 `Launcher` starts one process per task of a `ClusterLayout` with the TF_CONFIG
-that task needs, prefixes every line each one prints with its role and index,
-forwards SIGINT/SIGTERM to all of them, and, when one fails, stops the others
-(SIGTERM, then SIGKILL after a grace period) and reports the failing task's exit
-status and last lines. It never changes its own environment: each child gets
-its own copy.
+that task needs -- on free loopback ports of this machine, or, given hosts, on
+each task's host through `ssh` (`tfdist.ssh`) on ports checked free there --
+prefixes every line each one prints with its role and index, forwards
+SIGINT/SIGTERM to all of them, and, when one fails, stops the others (SIGTERM,
+then SIGKILL after a grace period) and reports the failing task's exit status
+and last lines. With `max_restarts`, a failed job is torn down and relaunched
+whole, with the same command, up to that many times. It never changes its own
+environment: each child gets its own copy.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import threading
 import time
 from typing import Optional, Sequence, TextIO
 
+from tfdist import hosts as hosts_lib
 from tfdist.errors import UserError
+from tfdist.ssh import SshConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +119,7 @@ def cluster_spec(layout: ClusterLayout, addresses: Sequence[str]) -> dict[str, l
 
 
 def tf_config(cluster: dict[str, list[str]], role: str, index: int) -> str:
+    """The TF_CONFIG value of task `role`:`index` in `cluster`."""
     return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}, separators=(",", ":"))
 
 
@@ -124,13 +130,59 @@ class _Task:
     process: subprocess.Popen
     tail: collections.deque
     reader: threading.Thread
+    host: Optional[str] = None  # Set when the task runs on another host, through ssh.
 
     @property
     def label(self) -> str:
         return f"{self.role}:{self.index}"
 
+    @property
+    def killed(self) -> bool:
+        """Whether it died of a signal (over ssh: the remote watchdog's 128+signal status)."""
+        code = self.process.returncode
+        return code is not None and (code < 0 or (self.host is not None and 128 < code < 128 + 65))
+
+    def describe(self) -> str:
+        code = self.process.returncode
+        if self.host is not None and code == 255:
+            return f"lost its SSH connection to {self.host} (ssh exited with status 255)"
+        if self.host is None or not self.killed:
+            return describe_status(code) + (f" on {self.host}" if self.host else "")
+        return f"{describe_status(128 - code)} on {self.host}"
+
+    def send(self, sig: int) -> None:
+        """SIGTERM/SIGKILL to the task: its process group here, or through its SSH session's watchdog."""
+        if self.process.poll() is not None:
+            return
+        if self.host is None:
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+            return
+        try:
+            self.process.stdin.write("KILL\n" if sig == signal.SIGKILL else "TERM\n")
+            self.process.stdin.flush()
+            if sig == signal.SIGKILL:
+                self.process.stdin.close()  # End of file: the watchdog kills the task's group.
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def reap(self, timeout: float = 10.0) -> None:
+        """Waits for the process; an ssh client that does not end by itself is killed."""
+        try:
+            self.process.wait(timeout=timeout if self.host else None)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+        self.reader.join(timeout=5)
+
 
 def describe_status(code: int) -> str:
+    """"exited with status N" or "was killed by SIGNAME" for a Popen returncode."""
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -154,6 +206,12 @@ class Launcher:
         tail_lines: int = 20,
         out: TextIO = sys.stdout,
         env: Optional[dict[str, str]] = None,
+        task_env: Optional[dict[str, str]] = None,
+        hosts: Optional[Sequence[hosts_lib.Host]] = None,
+        ssh: Optional[SshConfig] = None,
+        base_port: int = 0,
+        max_restarts: int = 0,
+        restart_backoff_s: float = 10.0,
     ):
         if not command:
             raise UserError("No command to launch; put it after --, e.g. tfdist-launch --num_workers=2 -- tfdist-train.")
@@ -168,6 +226,14 @@ class Launcher:
         self.tail_lines = tail_lines
         self.out = out
         self.env = dict(os.environ if env is None else env)
+        self.task_env = dict(task_env or {})  # What --env adds; over ssh, all that is passed besides TF_CONFIG.
+        self.placement = hosts_lib.place(hosts, len(self.layout.roles())) if hosts else None
+        self.ssh = ssh or SshConfig()
+        self.base_port = base_port
+        if max_restarts < 0:
+            raise UserError(f"--max_restarts={max_restarts} must be 0 or more (0: no restarts).")
+        self.max_restarts = max_restarts
+        self.restart_backoff_s = restart_backoff_s
         self.tasks: list[_Task] = []
         self._lock = threading.Lock()
         self._signal: Optional[int] = None
@@ -182,25 +248,42 @@ class Launcher:
             tail.append(line.rstrip("\n"))
             self._print(f"[{task_label}] {line if line.endswith(chr(10)) else line + chr(10)}")
 
-    def start(self) -> None:
+    def _addresses(self) -> list[str]:
+        """host:port per task: free loopback ports here, or ports checked free on each host over ssh."""
         roles = self.layout.roles()
-        ports = free_ports(len(roles), self.host)
-        self.cluster = cluster_spec(self.layout, [f"{self.host}:{p}" for p in ports])
-        self._print(f"tfdist-launch: cluster {json.dumps(self.cluster)}\n")
-        for role, index in roles:
-            self.tasks.append(self._spawn(role, index))
+        if self.placement is None:
+            ports = range(self.base_port, self.base_port + len(roles)) if self.base_port else \
+                free_ports(len(roles), self.host)
+            return [f"{self.host}:{p}" for p in ports]
+        ports: dict[str, list[int]] = {}
+        for host in dict.fromkeys(self.placement):  # Every host is reached before any task starts.
+            taken = [p for chosen in ports.values() for p in chosen]  # Hosts may share a machine.
+            ports[host] = self.ssh.probe_ports(host, self.placement.count(host), self.base_port, taken)
+        return [f"{hosts_lib.network_name(host)}:{ports[host].pop(0)}" for host in self.placement]
 
-    def _spawn(self, role: str, index: int) -> _Task:
-        env = dict(self.env, TF_CONFIG=tf_config(self.cluster, role, index), PYTHONUNBUFFERED="1")
+    def start(self) -> None:
+        self.cluster = cluster_spec(self.layout, self._addresses())
+        self._print(f"tfdist-launch: cluster {json.dumps(self.cluster)}\n")
+        for i, (role, index) in enumerate(self.layout.roles()):
+            self.tasks.append(self._spawn(role, index, self.placement[i] if self.placement else None))
+
+    def _spawn(self, role: str, index: int, host: Optional[str] = None) -> _Task:
+        label = f"{role}:{index}"
+        task_env = dict(self.task_env, TF_CONFIG=tf_config(self.cluster, role, index), PYTHONUNBUFFERED="1")
+        if host is None:
+            command, env, stdin = self.command, dict(self.env, **task_env), subprocess.DEVNULL
+        else:
+            command, env, stdin = self.ssh.task_command(host, label, self.command, task_env), self.env, subprocess.PIPE
         process = subprocess.Popen(
-            self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            command, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, start_new_session=True, errors="replace",
         )
         tail: collections.deque = collections.deque(maxlen=self.tail_lines)
-        reader = threading.Thread(target=self._pump, args=(f"{role}:{index}", process.stdout, tail), daemon=True)
+        reader = threading.Thread(target=self._pump, args=(label, process.stdout, tail), daemon=True)
         reader.start()
-        self._print(f"tfdist-launch: started {role}:{index} (pid {process.pid}) at {self.cluster[role][index]}\n")
-        return _Task(role, index, process, tail, reader)
+        how = f"ssh pid {process.pid}" if host else f"pid {process.pid}"
+        self._print(f"tfdist-launch: started {label} ({how}) at {self.cluster[role][index]}\n")
+        return _Task(role, index, process, tail, reader, host)
 
     @property
     def _chief_led(self) -> bool:
@@ -209,15 +292,15 @@ class Launcher:
 
     def _signal_all(self, sig: int, tasks: Optional[list[_Task]] = None) -> None:
         for task in tasks if tasks is not None else self.tasks:
-            if task.process.poll() is None:
-                try:
-                    os.killpg(task.process.pid, sig)
-                except ProcessLookupError:
-                    pass
+            task.send(sig)
+
+    def _any_running(self) -> bool:
+        """Polls every task (not stopping at the first running one, so every exit is noticed)."""
+        return [t.process.poll() for t in self.tasks].count(None) > 0
 
     def _wait_all(self, seconds: float) -> None:
         deadline = time.time() + seconds
-        while time.time() < deadline and any(t.process.poll() is None for t in self.tasks):
+        while time.time() < deadline and self._any_running():
             time.sleep(0.05)
 
     def _stop_all(self) -> None:
@@ -226,8 +309,7 @@ class Launcher:
         self._wait_all(self.grace_s)
         self._signal_all(signal.SIGKILL)
         for task in self.tasks:
-            task.process.wait()
-            task.reader.join(timeout=5)
+            task.reap()
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self._signal is not None:  # Second Ctrl-C: no more waiting.
@@ -244,7 +326,7 @@ class Launcher:
     def _report(self, task: _Task, verdict: str) -> int:
         code = task.process.returncode
         tail = "\n".join(f"  {line}" for line in task.tail)
-        self._print(f"tfdist-launch: {task.label} {describe_status(code)}{verdict}. Its last lines:\n{tail}\n")
+        self._print(f"tfdist-launch: {task.label} {task.describe()}{verdict}. Its last lines:\n{tail}\n")
         return 128 - code if code < 0 else code
 
     def wait(self) -> int:
@@ -258,23 +340,21 @@ class Launcher:
         lost contact with it; otherwise the first in task order.
         """
         failed = [t for t in self.tasks if t.process.returncode not in (None, 0)]
-        return min(failed, key=lambda t: t.process.returncode >= 0, default=None)
+        return min(failed, key=lambda t: not t.killed, default=None)
 
     def _wait_all_equal(self) -> int:
         """Synchronous jobs: any task failing fails the job; all stop together."""
         failed: Optional[_Task] = None
-        while any(t.process.poll() is None for t in self.tasks):
+        while self._any_running():
             failed = self._first_failure()
             if failed is not None:
                 if self._signal is None:
-                    self._print(f"tfdist-launch: {failed.label} {describe_status(failed.process.returncode)}; "
-                                "stopping the other tasks.\n")
+                    self._print(f"tfdist-launch: {failed.label} {failed.describe()}; stopping the other tasks.\n")
                 self._stop_all()
                 break
             time.sleep(0.1)
         for task in self.tasks:
-            task.process.wait()
-            task.reader.join(timeout=5)
+            task.reap()
         failed = failed or self._first_failure()
         if failed is None:
             self._print(f"tfdist-launch: all {len(self.tasks)} task(s) finished.\n")
@@ -302,15 +382,15 @@ class Launcher:
                     restarts = self.restarts.get(task.label, 0)
                     if restarts < self.restart_workers:
                         self.restarts[task.label] = restarts + 1
-                        self._print(f"tfdist-launch: {task.label} {describe_status(code)}; restarting it "
+                        self._print(f"tfdist-launch: {task.label} {task.describe()}; restarting it "
                                     f"({restarts + 1} of {self.restart_workers}).\n")
                         task.reader.join(timeout=5)
-                        self.tasks[i] = self._spawn(task.role, task.index)
+                        self.tasks[i] = self._spawn(task.role, task.index, task.host)
                     else:
-                        self._print(f"tfdist-launch: {task.label} {describe_status(code)}; the chief carries on "
+                        self._print(f"tfdist-launch: {task.label} {task.describe()}; the chief carries on "
                                     "with the other workers.\n")
                 elif task.role == "ps" and code != 0 and ps_lost is None:
-                    self._print(f"tfdist-launch: {task.label} {describe_status(code)}; the chief should now fail "
+                    self._print(f"tfdist-launch: {task.label} {task.describe()}; the chief should now fail "
                                 "(a parameter server holds part of the model).\n")
                     ps_lost = (task, time.time())
             if ps_lost and time.time() - ps_lost[1] > self.ps_loss_timeout_s:
@@ -329,10 +409,29 @@ class Launcher:
         return 0
 
     def run(self) -> int:
+        """Starts the job, supervises it, relaunches it after a failure up to `max_restarts` times."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.start()
-            return self.wait()
+            restart = 0
+            while True:
+                self.start()
+                code = self.wait()
+                if code == 0 or self._signal is not None or restart >= self.max_restarts:
+                    break
+                restart += 1
+                self._print(f"tfdist-launch: restart {restart} of {self.max_restarts}: relaunching all "
+                            f"{len(self.tasks)} task(s) in {self.restart_backoff_s:g} s with the same command "
+                            "(tfdist-train resumes from its --workdir's last checkpoint).\n")
+                deadline = time.time() + self.restart_backoff_s
+                while time.time() < deadline and self._signal is None:
+                    time.sleep(0.05)
+                if self._signal is not None:
+                    break
+                self.tasks, self.restarts = [], {}
+            if code != 0 and self.max_restarts and self._signal is None:
+                self._print(f"tfdist-launch: the job failed again after {restart} restart(s); giving up "
+                            f"(--max_restarts={self.max_restarts}).\n")
+            return code
         finally:
             self._signal_all(signal.SIGKILL)
             for sig, handler in previous.items():

@@ -1,9 +1,12 @@
 """tfdist-env: the facts a bug report needs, in one report.
 
 Prints versions (Python, TensorFlow, Keras, tensorflow-datasets, absl,
-Horovod), devices with GPU compute capability, whether Horovod is importable
-and built with TensorFlow and which controllers/ops it has, the parsed
-TF_CONFIG if any, and the precision ``--precision=auto`` would choose.
+Horovod), the CUDA, cuDNN and NCCL versions TensorFlow was built with, the
+NVIDIA driver version where visible, devices with GPU compute capability,
+whether Horovod is importable and built with TensorFlow and which
+controllers/ops it has, whether the `ssh` client that `tfdist-launch --hosts`
+needs is present, the parsed TF_CONFIG if any, and the precision
+``--precision=auto`` would choose.
 Add ``--json`` for machine-readable output.
 """
 
@@ -12,8 +15,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform
+import re
+import shutil
+import subprocess
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from tfdist.cli import common
 
@@ -30,6 +36,64 @@ def _version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def gpu_build_info() -> dict[str, Any]:
+    """What TensorFlow was built with (`tf.sysconfig.get_build_info()`), plus the NCCL it finds.
+
+    Pip builds of TensorFlow do not record NCCL in their build info; they load
+    the NCCL of the `nvidia-nccl-cu12` package (the `and-cuda` extra), so that
+    package's version is reported when the build info has none.
+    """
+    import tensorflow as tf
+
+    info = dict(tf.sysconfig.get_build_info())
+    nccl = info.get("nccl_version")
+    if not nccl:
+        package = _version("nvidia-nccl-cu12")
+        nccl = f"{package} (nvidia-nccl-cu12)" if package != "not installed" else None
+    return {
+        "is_cuda_build": bool(info.get("is_cuda_build")),
+        "is_rocm_build": bool(info.get("is_rocm_build")),
+        "cuda_version": info.get("cuda_version"),
+        "cudnn_version": info.get("cudnn_version"),
+        "nccl_version": nccl,
+        "cuda_compute_capabilities": info.get("cuda_compute_capabilities"),
+    }
+
+
+def gpu_driver_version(proc_file: str = "/proc/driver/nvidia/version") -> Optional[str]:
+    """The NVIDIA driver version from the kernel module's /proc file, else `nvidia-smi`; None if neither."""
+    try:
+        with open(proc_file) as f:
+            match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.read())
+        if match:
+            return match.group(1)
+    except OSError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=20)
+            versions = sorted(set(result.stdout.split()))
+            if result.returncode == 0 and versions:
+                return ", ".join(versions)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return None
+
+
+def ssh_client() -> dict[str, Any]:
+    """Whether the OpenSSH client (`tfdist-launch --hosts` starts tasks with it) is on PATH, and its version."""
+    path = shutil.which("ssh")
+    if path is None:
+        return {"present": False, "path": None, "version": None}
+    try:
+        result = subprocess.run([path, "-V"], capture_output=True, text=True, timeout=10)
+        version = (result.stderr or result.stdout).strip().splitlines()[0] if (result.stderr or result.stdout) else None
+    except (OSError, subprocess.TimeoutExpired):
+        version = None
+    return {"present": True, "path": path, "version": version}
 
 
 def horovod_report() -> dict[str, Any]:
@@ -71,6 +135,9 @@ def collect() -> dict[str, Any]:
         "packages": {p: _version(p) for p in ("tfdist", "tensorflow", "keras", "tensorflow-datasets",
                                                "absl-py", "tensorboard", "numpy", "horovod")},
         "tensorflow_built_with_cuda": tf.test.is_built_with_cuda(),
+        "gpu_build": gpu_build_info(),
+        "gpu_driver_version": gpu_driver_version(),
+        "ssh_client": ssh_client(),
         "devices": devices,
         "cpu_bf16_flags": precision.cpu_bf16_flags(),
         "precision_auto": {"policy": choice.policy, "reason": choice.reason},
@@ -85,6 +152,11 @@ def format_report(report: dict[str, Any]) -> str:
     for package, version in report["packages"].items():
         lines.append(f"{package}: {version}")
     lines.append(f"tensorflow built with CUDA: {report['tensorflow_built_with_cuda']}")
+    build = report["gpu_build"]
+    if build["is_cuda_build"]:
+        lines.append(f"  built with CUDA {build['cuda_version']}, cuDNN {build['cudnn_version']}, "
+                     f"NCCL {build['nccl_version'] or 'not in the build info (nvidia-nccl-cu12 not installed)'}")
+    lines.append(f"NVIDIA driver: {report['gpu_driver_version'] or 'not visible (no /proc/driver/nvidia, no nvidia-smi)'}")
     lines.append("devices:")
     for device in report["devices"]:
         extra = f" compute capability {device['compute_capability']} ({device.get('device_name')})" \
@@ -100,6 +172,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  {key}: {hvd[key]}")
     tf_config = report["tf_config"]
     lines.append(f"TF_CONFIG: {json.dumps(tf_config) if tf_config else 'not set'}")
+    ssh = report["ssh_client"]
+    lines.append(f"ssh client (for tfdist-launch --hosts): {ssh['version'] + ' at ' + ssh['path'] if ssh['present'] else 'not found'}")
     lines.append(f"strategies: {', '.join(report['strategies'])}")
     return "\n".join(lines)
 

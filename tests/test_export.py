@@ -1,0 +1,47 @@
+"""tfdist.export: the SavedModel serves what the Keras model predicts; format names are checked."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist import data, export, model
+from tfdist.errors import UserError
+
+
+def test_saved_model_serves_the_keras_predictions(tmp_path):
+    cnn = model.build_cnn(seed=3)
+    images = data.load_dataset("mnist").eval_images[:200]
+    path = export.export_saved_model(cnn, str(tmp_path / "serving"))
+    assert path == str(tmp_path / "serving") and os.path.exists(os.path.join(path, "saved_model.pb"))
+    assert sorted(os.listdir(tmp_path)) == ["serving"]  # No staging directory left behind.
+    serve = tf.saved_model.load(path).signatures["serving_default"]
+    spec = serve.structured_input_signature[1]["image"]
+    assert (spec.dtype, spec.shape.as_list()) == (tf.uint8, [None, 28, 28, 1])
+    served = serve(image=tf.constant(images))["output_0"].numpy()
+    np.testing.assert_allclose(served, cnn.predict(images, verbose=0), atol=1e-5)
+
+    # A second export replaces the first, whole.
+    other = model.build_cnn(seed=4)
+    export.export_saved_model(other, path)
+    assert sorted(os.listdir(tmp_path)) == ["serving"]
+    served = tf.saved_model.load(path).signatures["serving_default"](image=tf.constant(images))["output_0"].numpy()
+    np.testing.assert_allclose(served, other.predict(images, verbose=0), atol=1e-5)
+
+
+def test_export_formats():
+    assert export.parse_export_formats("keras") == ("keras",)
+    assert export.parse_export_formats(" keras , saved_model") == ("keras", "saved_model")
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("onnx", "unknown format 'onnx'; valid formats are: keras, saved_model"),
+    ("keras,,saved_model", "has an empty entry"),
+    ("", "has an empty entry"),
+    ("keras,keras", "names a format twice"),
+])
+def test_bad_export_formats(spec, expected):
+    with pytest.raises(UserError, match=expected) as info:
+        export.parse_export_formats(spec)
+    assert "\n" not in str(info.value)
