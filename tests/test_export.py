@@ -45,3 +45,29 @@ def test_bad_export_formats(spec, expected):
     with pytest.raises(UserError, match=expected) as info:
         export.parse_export_formats(spec)
     assert "\n" not in str(info.value)
+
+
+def test_tfdist_train_exports_both_formats_that_predict_the_same(tmp_path):
+    import keras
+
+    from tests.conftest import run_train
+
+    workdir = tmp_path / "w"
+    result = run_train([f"--workdir={workdir}", "--max_steps=5", "--epochs=1", "--precision=float32",
+                        "--export=keras,saved_model"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    images = data.load_dataset("mnist").eval_images[:300]
+    expected = keras.models.load_model(str(workdir / "model.keras"), compile=False).predict(images, verbose=0)
+    served = tf.saved_model.load(str(workdir / "saved_model")).signatures["serving_default"]
+    (output,) = served(image=tf.constant(images)).values()
+    np.testing.assert_allclose(output.numpy(), expected, atol=1e-5)
+    assert not [p for p in os.listdir(workdir) if "tmp" in p]
+
+
+def test_tfdist_train_refuses_an_unknown_export_format(tmp_path):
+    from tests.conftest import run_train
+
+    result = run_train([f"--workdir={tmp_path / 'w'}", "--export=onnx"], timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--export='onnx': unknown format 'onnx'; valid formats are: keras, saved_model" in result.stderr
+    assert not (tmp_path / "w").exists()

@@ -64,6 +64,7 @@ class TrainConfig:
     max_steps: Optional[int] = None
     summary_every_steps: int = 0
     profile_steps: Optional[str] = None
+    export: str = "keras"
 
     def validate(self) -> "TrainConfig":
         """Raises `UserError` for values no backend could accept."""
@@ -76,6 +77,7 @@ class TrainConfig:
             raise UserError(f"--summary_every_steps={self.summary_every_steps} must be 0 (after every execution) "
                             "or a positive step count.")
         self.profile_range()
+        self.export_formats()
         if self.hvd_compression is not None:
             _choice("hvd_compression", self.hvd_compression, ("none", "fp16"))
         if self.hvd_op is not None:
@@ -127,6 +129,12 @@ class TrainConfig:
             raise UserError(f"--profile_steps={self.profile_steps!r} must be START,END with START < END, e.g. "
                             "--profile_steps=5,10 (the steps whose trace is written to WORKDIR/tensorboard).")
         return int(parts[0]), int(parts[1])
+
+    def export_formats(self) -> tuple[str, ...]:
+        """``--export`` as a tuple of formats (``keras``, ``saved_model``)."""
+        from tfdist.export import parse_export_formats  # Pure parsing; imports Keras, not TensorFlow.
+
+        return parse_export_formats(self.export)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -333,6 +333,7 @@ def fit(
     jit_compile: Any = "auto",
     summary_every_steps: int = 0,
     profile_steps: Optional[tuple[int, int]] = None,
+    export: Sequence[str] = ("keras",),
     plan_extra: Optional[dict] = None,
     _report: Optional[dict] = None,
 ) -> keras.callbacks.History:
@@ -340,9 +341,10 @@ def fit(
 
     See the README's "Use it from Python" section for every argument.
     """
-    from tfdist import workdir as workdir_lib
+    from tfdist import export as export_lib, workdir as workdir_lib
 
     start = time.time()
+    export = export_lib.parse_export_formats(",".join(export)) if export else ()
     backend = _backend(strategy)
     steps_lib.check_model(model, _fail)
     if epochs < 1:
@@ -403,6 +405,11 @@ def fit(
         result = _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir,
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
                       summary_every_steps, profile_steps)
+        if rundir is not None:  # Chief only; staged and renamed into place.
+            if "keras" in export:
+                rundir.export_model(model)
+            if "saved_model" in export:
+                rundir.export_saved_model(model)
     if _report is not None:
         _report.update(plan=plan, result=result, backend=backend, precision=precision, rundir=rundir,
                        wall_seconds=time.time() - start)

@@ -97,6 +97,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         keep_checkpoints=config.keep_checkpoints, resume=config.resume, step_counter=step,
         jit_compile={"auto": "auto", "true": True, "false": False}[config.jit_compile],
         summary_every_steps=config.summary_every_steps, profile_steps=config.profile_range(),
+        export=config.export_formats(),
         plan_extra={"dataset": digits.name, "learning_rate": plan.learning_rate, "lr_schedule": config.lr_schedule, "optimizer": config.optimizer,
                     "warmup_steps": plan.warmup_steps, "precision": choice.policy},
         _report=report)
@@ -136,7 +137,6 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         "tensorflow_version": tf.__version__,
         "keras_version": keras.__version__,
     }
-    rundir.export_model(model)
     rundir.write_json("metrics.json", metrics)
     return metrics
 

@@ -364,6 +364,16 @@ class RunDir:
                 tf.io.gfile.rename(staged, final, overwrite=True)
         return final
 
+    def export_saved_model(self, model: Any, name: str = "saved_model") -> Optional[str]:
+        """Writes a SavedModel with a serving signature (staged, then renamed into place); chief only."""
+        if not self.is_chief:
+            return None
+        from tfdist.export import export_saved_model
+
+        final = self.join(name)
+        with self.guard_write(f"the SavedModel export {name}/", final):
+            return export_saved_model(model, final)
+
     def summary_writer(self) -> tf.summary.SummaryWriter:
         if self.is_chief:
             with self.guard_write("TensorBoard summaries", self.join("tensorboard")):

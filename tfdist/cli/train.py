@@ -71,6 +71,8 @@ flags.DEFINE_integer("keep_checkpoints", _D.keep_checkpoints, "Checkpoints to ke
 flags.DEFINE_integer("max_steps", None, "Stop after this many steps in total.")
 flags.DEFINE_integer("summary_every_steps", _D.summary_every_steps, "Write train scalars every N steps "
                      "(0: after every execution).")
+flags.DEFINE_string("export", _D.export, "What the chief exports at the end: keras (WORKDIR/model.keras), "
+                    "saved_model (WORKDIR/saved_model/, for TF Serving), or both: keras,saved_model.")
 flags.DEFINE_string("profile_steps", None, "START,END: write a TensorFlow profiler trace of these steps to "
                     "WORKDIR/tensorboard (chief only).")
 
