@@ -15,7 +15,7 @@ import keras
 import numpy as np
 
 import tfdist  # changed: import tfdist
-from tfdist import data
+from tfdist.mnist import data
 
 digits = data.load_dataset("mnist")
 x_train = digits.train_images.astype("float32") / 255.0

@@ -1,6 +1,6 @@
 """GPU check of tfdist's model under mixed_float16 against float32 (Keras 3, any backend).
 
-Trains tfdist.model.build_cnn on the bundled split (8,000 train / 2,000 held-out
+Trains tfdist.mnist.model.build_cnn on the bundled split (8,000 train / 2,000 held-out
 digits, read straight from the IDX files) with each precision policy and prints
 one JSON line per policy: held-out accuracy, loss-scaling state, seconds.
 Used where a GPU machine has no TensorFlow (KERAS_BACKEND=jax): it checks the
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 
-from tfdist.model import build_cnn  # noqa: E402
+from tfdist.mnist.model import build_cnn  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tfdist", "data", "mnist")
 

@@ -1,6 +1,6 @@
 """The baseline tfdist is measured against: plain Keras 3 `model.fit`, no strategy.
 
-Same model (tfdist.model.build_cnn), same bundled digits, same batch and
+Same model (tfdist.mnist.model.build_cnn), same bundled digits, same batch and
 precision; Keras defaults otherwise. Prints one JSON line with per-epoch
 training seconds (evaluation excluded) and the held-out accuracy.
 
@@ -16,7 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 
-from tfdist import data, model  # noqa: E402
+from tfdist.mnist import data, model  # noqa: E402
 
 
 class EpochTimer(keras.callbacks.Callback):

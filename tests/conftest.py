@@ -34,7 +34,7 @@ def _float32_policy():
 
 
 def free_port() -> int:
-    from tfdist.launch import free_ports
+    from tfdist.launcher.launch import free_ports
 
     return free_ports(1)[0]
 

@@ -13,7 +13,9 @@ import sys
 
 import numpy as np
 
-from tfdist import data, horovod_support, inputs, model
+from tfdist.mnist import data, model
+from tfdist.distribute import horovod_support
+from tfdist.training import inputs
 
 
 def main(out_dir: str) -> None:

@@ -1,4 +1,4 @@
-"""Writes MNIST-format IDX files for tests (plain or gzip), independent of tfdist.idx."""
+"""Writes MNIST-format IDX files for tests (plain or gzip), independent of tfdist.mnist.idx."""
 
 from __future__ import annotations
 

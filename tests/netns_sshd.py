@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tfdist.launch import isolate_network  # noqa: E402
+from tfdist.launcher.launch import isolate_network  # noqa: E402
 
 SSHD = "/usr/sbin/sshd"
 ADDRESSES = ("127.0.0.2", "127.0.0.3")

@@ -1,12 +1,12 @@
-"""tfdist.batching: batch split, accumulation, learning-rate scaling and warm-up."""
+"""tfdist.mnist.batching: batch split, accumulation, learning-rate scaling and warm-up."""
 
 import math
 
 import numpy as np
 import pytest
 
-from tfdist import batching
-from tfdist.config import TrainConfig
+from tfdist.mnist import batching
+from tfdist.mnist.config import TrainConfig
 from tfdist.errors import UserError
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO, run_train, subprocess_env
 from tests.idx_files import write_mnist_dir
-from tfdist import data
+from tfdist.mnist import data
 
 
 def assert_user_error(result, *fragments):

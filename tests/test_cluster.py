@@ -1,10 +1,10 @@
-"""tfdist.cluster: TF_CONFIG parsing; every malformed input gets a message naming the field."""
+"""tfdist.distribute.cluster: TF_CONFIG parsing; every malformed input gets a message naming the field."""
 
 import json
 
 import pytest
 
-from tfdist import cluster
+from tfdist.distribute import cluster
 from tfdist.errors import UserError
 
 

@@ -1,8 +1,8 @@
-"""tfdist.config: validation messages name the bad value and a fix."""
+"""tfdist.mnist.config: validation messages name the bad value and a fix."""
 
 import pytest
 
-from tfdist.config import TrainConfig
+from tfdist.mnist.config import TrainConfig
 from tfdist.errors import UserError
 
 

@@ -8,7 +8,7 @@ from absl import flags
 
 from tests.conftest import REPO
 from tfdist.cli import train as cli_train
-from tfdist.config import TrainConfig
+from tfdist.mnist.config import TrainConfig
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.flags")))
 

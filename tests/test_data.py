@@ -1,4 +1,4 @@
-"""tfdist.data: the data sources (bundled digits, IDX directories, tensorflow-datasets, synthetic)."""
+"""tfdist.mnist.data: the data sources (bundled digits, IDX directories, tensorflow-datasets, synthetic)."""
 
 import hashlib
 import os
@@ -8,7 +8,7 @@ import pytest
 import tensorflow_datasets.testing as tfds_testing
 
 from tests.idx_files import write_mnist_dir
-from tfdist import data
+from tfdist.mnist import data
 from tfdist.errors import UserError
 
 

@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import run_module
-from tfdist import horovod_support, precision, strategies
+from tfdist.distribute import horovod_support, strategies
+from tfdist import precision
 
 
 def report(env=None, *args):

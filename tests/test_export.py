@@ -1,4 +1,4 @@
-"""tfdist.export: the SavedModel serves what the Keras model predicts; format names are checked."""
+"""tfdist.training.export: the SavedModel serves what the Keras model predicts; format names are checked."""
 
 import os
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist import data, export, model
+from tfdist.mnist import data, model
+from tfdist.training import export
 from tfdist.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""tfdist.fitting (tfdist.fit / make_strategy): any compiled Keras 3 model, in this process.
+"""tfdist.training.fitting (tfdist.fit) and make_strategy: any compiled Keras 3 model, in this process.
 
 Equivalence tests use plain SGD: Adam's update ignores a constant factor on
 every gradient, so it would hide a wrong division by the replica count.
@@ -14,7 +14,8 @@ import tensorflow as tf
 
 import tfdist
 from tests.conftest import REPO
-from tfdist import data, strategies
+from tfdist.mnist import data
+from tfdist.distribute import strategies
 
 DIGITS = data.load_dataset("mnist")
 

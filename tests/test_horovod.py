@@ -1,4 +1,4 @@
-"""tfdist.horovod_support: the Horovod backend under a real horovodrun (Gloo).
+"""tfdist.distribute.horovod_support: the Horovod backend under a real horovodrun (Gloo).
 
 These run in the TensorFlow 2.18 + horovod 0.28.1 nox session; in the TF 2.21
 session Horovod cannot be built (it does not compile against TF >= 2.19), so
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, run_train, subprocess_env
-from tfdist import horovod_support
+from tfdist.distribute import horovod_support
 
 HAVE_HOROVOD = horovod_support.is_horovod_available()
 if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1" and not HAVE_HOROVOD:
@@ -124,8 +124,8 @@ def test_auto_selects_horovod_only_for_a_horovod_launch(environ, expected):
 
 def test_auto_ignores_a_bare_pmi_size(monkeypatch):
     """srun --mpi=pmi2 sets PMI_SIZE for a TensorFlow job too; auto must not switch to Horovod."""
-    from tfdist import strategies
-    from tfdist.config import TrainConfig
+    from tfdist.distribute import strategies
+    from tfdist.mnist.config import TrainConfig
 
     monkeypatch.setattr(horovod_support, "is_horovod_available", lambda: True)
     for key in ("TF_CONFIG", "TPU_NAME", *horovod_support.LAUNCHER_ENV):

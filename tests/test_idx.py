@@ -1,4 +1,4 @@
-"""tfdist.idx: reading real MNIST IDX files, and errors that name the bad file."""
+"""tfdist.mnist.idx: reading real MNIST IDX files, and errors that name the bad file."""
 
 import gzip
 import hashlib
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.idx_files import idx_bytes, write_idx
-from tfdist import data, idx
+from tfdist.mnist import data, idx
 from tfdist.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""tfdist.inputs: the topology-independent training order and exact evaluation, on real digits."""
+"""tfdist.training.inputs: the topology-independent training order and exact evaluation, on real digits."""
 
 import hashlib
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist import data, inputs
+from tfdist.mnist import data
+from tfdist.training import inputs
 
 DIGITS = data.load_dataset("mnist")
 ARRAYS = inputs.Arrays(DIGITS.train_images, DIGITS.train_labels)

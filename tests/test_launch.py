@@ -1,4 +1,4 @@
-"""tfdist.launch / tfdist-launch: real multi-worker jobs on loopback ports.
+"""tfdist.launcher.launch / tfdist-launch: real multi-worker jobs on loopback ports.
 
 Two MultiWorkerMirroredStrategy workers train the bundled digits through the
 launcher; failures (a killed worker, SIGTERM to the launcher, a task that
@@ -17,7 +17,8 @@ import time
 import pytest
 
 from tests.conftest import REPO, run_module, subprocess_env
-from tfdist import cluster, launch
+from tfdist.distribute import cluster
+from tfdist.launcher import launch
 from tfdist.errors import UserError
 
 TRAIN = [sys.executable, "-m", "tfdist.cli.train"]
@@ -117,7 +118,7 @@ def test_layout_and_tf_configs():
 
 
 def test_isolated_network_has_only_loopback():
-    code = ("from tfdist.launch import isolate_network; isolate_network(); "
+    code = ("from tfdist.launcher.launch import isolate_network; isolate_network(); "
             "print(sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
                             cwd=REPO, timeout=60)
@@ -144,7 +145,7 @@ def test_print_tf_config_for_job_files():
 def test_hostfile(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# DeepSpeed/MPI style\nnode1 slots=2\n\nnode2   slots = 1  # comment\nnode3\n")
-    from tfdist import hosts
+    from tfdist.launcher import hosts
 
     assert hosts.parse_hostfile(str(hostfile)) == [hosts.Host("node1", 2), hosts.Host("node2", 1),
                                                    hosts.Host("node3", 1)]

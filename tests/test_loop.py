@@ -1,4 +1,4 @@
-"""tfdist.loop: what the outer loop guarantees across real worker processes.
+"""tfdist.training.loop: what the outer loop guarantees across real worker processes.
 
 Workers that disagree fail fast with a message naming them; SIGTERM to one
 worker stops every worker at the same step; a float16 overflow on one worker is

@@ -1,4 +1,4 @@
-"""tfdist.parameter_server: Keras 3 training under ParameterServerStrategy, for real.
+"""tfdist.distribute.parameter_server: Keras 3 training under ParameterServerStrategy, for real.
 
 Chief, workers and parameter servers are real TensorFlow processes on loopback
 ports started by tfdist-launch; failures (a worker or the parameter server
@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import run_module
 from tests.test_launch import Job, alive, latest_checkpoint_step
-from tfdist import cluster, parameter_server
+from tfdist.distribute import cluster, parameter_server
 from tfdist.errors import UserError
 
 

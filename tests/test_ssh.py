@@ -1,4 +1,4 @@
-"""tfdist.ssh / tfdist-launch --hosts: real jobs over a real OpenSSH server.
+"""tfdist.launcher.ssh / tfdist-launch --hosts: real jobs over a real OpenSSH server.
 
 Each test runs tfdist-launch in a fresh network namespace whose loopback
 carries an sshd listening on 127.0.0.2 and 127.0.0.3, two "hosts", with a host
@@ -20,7 +20,7 @@ import pytest
 from tests import sshd_setup
 from tests.conftest import REPO, free_port, subprocess_env
 from tests.test_launch import Job, alive, fingerprints
-from tfdist import ssh
+from tfdist.launcher import ssh
 
 REASON = sshd_setup.skip_reason()
 needs_sshd = pytest.mark.skipif(REASON is not None, reason=REASON or "")

@@ -1,4 +1,4 @@
-"""tfdist.steps: what one compiled training step does, counted while it is traced.
+"""tfdist.training.steps: what one compiled training step does, counted while it is traced.
 
 Per step the only cross-replica reduction is the gradient all-reduce (one
 grouped call, whatever the number of variables); loss and metric sums are
@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist import steps as steps_lib, strategies
+from tfdist.training import steps as steps_lib
+from tfdist.distribute import strategies
 
 MIRRORED = {"all_reduce": "reduce_to_one"}  # In-process strategies: see test_fitting.py.
 

@@ -1,12 +1,12 @@
-"""tfdist.strategies: the registry, option checks and the backends it builds."""
+"""tfdist.distribute.strategies: the registry, option checks and the backends it builds."""
 
 import json
 
 import pytest
 import tensorflow as tf
 
-from tfdist import strategies
-from tfdist.config import TrainConfig
+from tfdist.distribute import strategies
+from tfdist.mnist.config import TrainConfig
 from tfdist.errors import UserError
 
 

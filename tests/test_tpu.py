@@ -1,4 +1,4 @@
-"""tfdist.tpu: the TPU initialisation sequence (against a stand-in), failing fast, TPU-specific policy.
+"""tfdist.distribute.tpu: the TPU initialisation sequence (against a stand-in), failing fast, TPU-specific policy.
 
 No TPU can be reached from CI, so the TensorFlow calls are replaced by a
 recorder and the exact order and arguments are asserted; the TPU training
@@ -18,9 +18,11 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO, free_port, run_train, subprocess_env
-from tfdist import data, precision, strategies, tpu, train
-from tfdist.backend import Backend
-from tfdist.config import TrainConfig
+from tfdist.mnist import data, train
+from tfdist import precision
+from tfdist.distribute import strategies, tpu
+from tfdist.distribute.backend import Backend
+from tfdist.mnist.config import TrainConfig
 from tfdist.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""tfdist.train: the real loop on real digits, in this process.
+"""tfdist.mnist.train: the real loop on real digits, in this process.
 
 Accuracy is measured on the 2,000 held-out bundled digits; equivalence tests
 compare final weights of runs that must agree (replica count, accumulation,
@@ -13,8 +13,9 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import load_weights
-from tfdist import data, strategies, train
-from tfdist.config import TrainConfig
+from tfdist.mnist import data, train
+from tfdist.distribute import strategies
+from tfdist.mnist.config import TrainConfig
 from tfdist.errors import UserError
 
 

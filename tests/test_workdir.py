@@ -1,4 +1,4 @@
-"""tfdist.workdir: the workdir lock, unusable workdirs, failed writes, scratch clean-up.
+"""tfdist.training.workdir: the workdir lock, unusable workdirs, failed writes, scratch clean-up.
 
 The lock and the failed writes are provoked for real: other processes hold or
 held the lock, a read-only mount refuses the workdir, and a small tmpfs fills
@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO, run_train, subprocess_env
-from tfdist import workdir
+from tfdist.training import workdir
 from tfdist.errors import UserError
 
 
@@ -60,7 +60,7 @@ def test_non_chief_does_not_lock_or_create_the_workdir(tmp_path):
         assert not (tmp_path / "other").exists()
 
 
-HOLD = ("import sys, time; from tfdist.workdir import RunDir; d = RunDir(sys.argv[1], is_chief=True); "
+HOLD = ("import sys, time; from tfdist.training.workdir import RunDir; d = RunDir(sys.argv[1], is_chief=True); "
         "d.acquire(); print('locked', flush=True); time.sleep(600)")
 
 

@@ -25,15 +25,15 @@ from tfdist.errors import UserError  # noqa: E402  (no TensorFlow import)
 
 def __getattr__(name: str) -> Any:
     if name == "make_strategy":
-        from tfdist.strategies import make_strategy
+        from tfdist.distribute.strategies import make_strategy
 
         return make_strategy
     if name == "fit":
-        from tfdist.fitting import fit
+        from tfdist.training.fitting import fit
 
         return fit
     if name == "Preempted":
-        from tfdist.loop import Preempted
+        from tfdist.training.loop import Preempted
 
         return Preempted
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 
 import tfdist
-from tfdist import data
+from tfdist.mnist import data
 
 options = {"num_cpu_replicas": 2} if sys.argv[1] == "mirrored" else {}
 strategy = tfdist.make_strategy(sys.argv[1], precision="mixed_float16", **options)

@@ -98,7 +98,7 @@ def ssh_client() -> dict[str, Any]:
 
 def horovod_report() -> dict[str, Any]:
     """Whether Horovod imports and what it was built with (never raises)."""
-    from tfdist import horovod_support
+    from tfdist.distribute import horovod_support
 
     return horovod_support.report()
 
@@ -106,7 +106,8 @@ def horovod_report() -> dict[str, Any]:
 def collect() -> dict[str, Any]:
     import tensorflow as tf
 
-    from tfdist import cluster, precision, strategies
+    from tfdist.distribute import cluster, strategies
+    from tfdist import precision
     from tfdist.errors import UserError
 
     gpus = tf.config.list_physical_devices("GPU")

@@ -22,11 +22,11 @@ import os
 import sys
 from typing import Optional
 
-from tfdist import hosts as hosts_lib
+from tfdist.launcher import hosts as hosts_lib
 from tfdist.cli import common
 from tfdist.errors import UserError
-from tfdist.launch import ClusterLayout, Launcher, cluster_spec, isolate_network, tf_config
-from tfdist.ssh import SshConfig
+from tfdist.launcher.launch import ClusterLayout, Launcher, cluster_spec, isolate_network, tf_config
+from tfdist.launcher.ssh import SshConfig
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--port={args.port} must be a port number, 1-65535 (or 0: free ports).")
     env = task_env(args.env)
     if args.print_tfjob:
-        from tfdist import tfjob
+        from tfdist.launcher import tfjob
 
         check_command(command, args.num_ps)
         manifest = tfjob.tfjob_manifest(name=args.job_name, image=args.image or "", command=command,
@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
         print(tfjob.manifest_text(manifest), end="")
         return 0
     if args.print_tf_config:
-        from tfdist import cluster as cluster_lib
+        from tfdist.distribute import cluster as cluster_lib
 
         roles = layout.roles()
         placement = hosts_lib.place(hosts or [hosts_lib.Host("localhost", len(roles))], len(roles))

@@ -1,6 +1,6 @@
 """tfdist-train: parse flags, build one frozen TrainConfig, call the library.
 
-Kept short on purpose: all logic lives in `tfdist.train` and the modules it
+Kept short on purpose: all logic lives in `tfdist.mnist.train` and the modules it
 uses, which never read FLAGS.
 
   tfdist-train --strategy=mirrored --num_cpu_replicas=2 --workdir=runs/m2
@@ -18,8 +18,9 @@ common.quiet_tensorflow()
 
 from absl import app, flags, logging  # noqa: E402
 
-from tfdist import strategies  # noqa: E402
-from tfdist.config import LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS, PRECISIONS, TrainConfig  # noqa: E402
+from tfdist.distribute import strategies  # noqa: E402
+from tfdist.distribute.options import PRECISIONS  # noqa: E402
+from tfdist.mnist.config import LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS, TrainConfig  # noqa: E402
 from tfdist.errors import UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -86,7 +87,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise UserError(f"Unexpected arguments {argv[1:]}; tfdist-train takes only --flags.")
     logging.set_verbosity(logging.INFO)
-    from tfdist import train  # Imported late: pulls in TensorFlow.
+    from tfdist.mnist import train  # Imported late: pulls in TensorFlow.
 
     import tensorflow as tf
 

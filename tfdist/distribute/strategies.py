@@ -13,17 +13,17 @@ Optional backends import their dependencies lazily, inside their builders.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import tensorflow as tf
 from absl import logging
 
-from tfdist import cluster as cluster_lib
-from tfdist.backend import Backend
-from tfdist.config import TrainConfig
+from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute.backend import Backend
+from tfdist.distribute.options import StrategyOptions
 from tfdist.errors import UserError
 
-Builder = Callable[[TrainConfig], Backend]
+Builder = Callable[[StrategyOptions], Backend]
 REGISTRY: dict[str, Builder] = {}
 
 MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -42,8 +42,12 @@ def strategy_names() -> list[str]:
     return list(REGISTRY)
 
 
-def build_backend(config: TrainConfig) -> Backend:
-    """Builds the backend `config.strategy` names. Call before any other TF work."""
+def build_backend(config: Any) -> Backend:
+    """Builds the backend `config.strategy` names (`StrategyOptions`, or any object with its fields).
+
+    Call before any other TensorFlow work.
+    """
+    config = StrategyOptions.of(config)
     builder = REGISTRY.get(config.strategy)
     if builder is None:
         raise UserError(
@@ -56,7 +60,7 @@ def build_backend(config: TrainConfig) -> Backend:
     return backend
 
 
-def _check_options(config: TrainConfig) -> None:
+def _check_options(config: StrategyOptions) -> None:
     valid = {
         "mirrored": MIRRORED_ALL_REDUCE,
         "multi_worker_mirrored": MULTI_WORKER_ALL_REDUCE,
@@ -133,7 +137,7 @@ def split_cpu(num_replicas: int) -> list[str]:
     return [d.name for d in logical[:num_replicas]]
 
 
-def _check_no_cluster(config: TrainConfig) -> None:
+def _check_no_cluster(config: StrategyOptions) -> None:
     info = cluster_lib.resolve()
     if info.is_multi_worker:
         raise UserError(
@@ -147,9 +151,9 @@ def _device_kind() -> str:
     return "gpu" if _gpus() else "cpu"
 
 
-def resolve_auto(config: TrainConfig) -> tuple[str, str]:
+def resolve_auto(config: StrategyOptions) -> tuple[str, str]:
     """The strategy ``--strategy=auto`` picks for this process, and why."""
-    from tfdist import horovod_support, tpu
+    from tfdist.distribute import horovod_support, tpu
 
     info = cluster_lib.resolve()
     gpus = _gpus()
@@ -173,7 +177,7 @@ def resolve_auto(config: TrainConfig) -> tuple[str, str]:
 
 
 @register("auto")
-def _auto(config: TrainConfig) -> Backend:
+def _auto(config: StrategyOptions) -> Backend:
     name, why = resolve_auto(config)
     resolved = config.replace(strategy=name)
     try:
@@ -185,7 +189,7 @@ def _auto(config: TrainConfig) -> Backend:
 
 
 @register("default")
-def _default(config: TrainConfig) -> Backend:
+def _default(config: StrategyOptions) -> Backend:
     _check_no_cluster(config)
     return Backend("default", tf.distribute.get_strategy(), _device_kind(),
                    description="no distribution (TensorFlow's default strategy)",
@@ -193,7 +197,7 @@ def _default(config: TrainConfig) -> Backend:
 
 
 @register("one_device")
-def _one_device(config: TrainConfig) -> Backend:
+def _one_device(config: StrategyOptions) -> Backend:
     _check_no_cluster(config)
     device = "/gpu:0" if _gpus() else "/cpu:0"
     return Backend("one_device", tf.distribute.OneDeviceStrategy(device), _device_kind(),
@@ -202,7 +206,7 @@ def _one_device(config: TrainConfig) -> Backend:
 
 
 @register("mirrored")
-def _mirrored(config: TrainConfig) -> Backend:
+def _mirrored(config: StrategyOptions) -> Backend:
     _check_no_cluster(config)
     gpus = _gpus()
     if config.num_cpu_replicas is not None:
@@ -240,7 +244,7 @@ def _mirrored(config: TrainConfig) -> Backend:
 
 
 @register("multi_worker_mirrored")
-def _multi_worker_mirrored(config: TrainConfig) -> Backend:
+def _multi_worker_mirrored(config: StrategyOptions) -> Backend:
     info = cluster_lib.resolve()
     for role in ("ps", "evaluator"):
         if role in info.cluster or info.task_type == role:
@@ -270,17 +274,17 @@ def _multi_worker_mirrored(config: TrainConfig) -> Backend:
 
 
 @register("parameter_server")
-def _parameter_server(config: TrainConfig) -> Backend:
-    from tfdist import parameter_server
+def _parameter_server(config: StrategyOptions) -> Backend:
+    from tfdist.distribute import parameter_server
 
     return parameter_server.build(cluster_lib.resolve(), ps_shards=config.ps_shards)
 
 
 @register("tpu")
-def _tpu(config: TrainConfig) -> Backend:
+def _tpu(config: StrategyOptions) -> Backend:
     import os
 
-    from tfdist import tpu
+    from tfdist.distribute import tpu
 
     address = config.tpu or os.environ.get("TPU_NAME") or "local"
     strategy = tpu.connect(address, zone=config.tpu_zone, project=config.gcp_project)
@@ -289,8 +293,8 @@ def _tpu(config: TrainConfig) -> Backend:
 
 
 @register("horovod")
-def _horovod(config: TrainConfig) -> Backend:
-    from tfdist import horovod_support
+def _horovod(config: StrategyOptions) -> Backend:
+    from tfdist.distribute import horovod_support
 
     return horovod_support.build_backend(op=config.hvd_op or "average", compression=config.hvd_compression or "none")
 
@@ -317,7 +321,7 @@ def current_backend() -> Backend:
     """The backend of the last `make_strategy` call, else TensorFlow's default strategy."""
     if _CURRENT:
         return _CURRENT[0]
-    backend = build_backend(TrainConfig(strategy="default"))
+    backend = build_backend(StrategyOptions(strategy="default"))
     remember(backend)
     return backend
 
@@ -338,7 +342,7 @@ def make_strategy(name: str = "auto", **options: object) -> object:
     if unknown:
         raise UserError(f"make_strategy got unknown option(s) {', '.join(unknown)}; valid options are "
                         f"{', '.join(STRATEGY_OPTIONS)}.")
-    config = TrainConfig(strategy=name, **options)  # type: ignore[arg-type]
+    config = StrategyOptions(strategy=name, **options)  # type: ignore[arg-type]
     config.validate()
     backend = build_backend(config)
     if backend.serve():

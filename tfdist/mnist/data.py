@@ -1,7 +1,7 @@
 """Data sources and the tf.data input pipelines every backend shares.
 
 A source (`load_dataset`) returns the digits as in-memory arrays, which the MNIST
-program hands to `tfdist.fit` (whose input pipelines live in `tfdist.inputs`).
+program hands to `tfdist.fit` (whose input pipelines live in `tfdist.training.inputs`).
 
 Sources, chosen by name:
   * ``mnist``: the real MNIST digits bundled in the package (the 10,000-digit
@@ -22,11 +22,11 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from tfdist import idx
-from tfdist.model import IMAGE_SHAPE, NUM_CLASSES
+from tfdist.mnist import idx
+from tfdist.mnist.model import IMAGE_SHAPE, NUM_CLASSES
 from tfdist.errors import UserError
 
-BUNDLED_DIR = os.path.join(os.path.dirname(__file__), "data", "mnist")
+BUNDLED_DIR = os.path.join(os.path.dirname(__file__), "digits")
 EVAL_EVERY = 5  # In the bundled split, digit i is held out when i % 5 == 4.
 SYNTHETIC_TRAIN, SYNTHETIC_EVAL = 8192, 1024
 

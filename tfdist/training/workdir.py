@@ -46,7 +46,6 @@ from typing import Any, Iterator, Optional
 import tensorflow as tf
 from absl import logging
 
-from tfdist.config import TrainConfig
 from tfdist.errors import UserError
 
 LOCK_NAME = ".lock"
@@ -327,12 +326,6 @@ class RunDir:
         """The newest checkpoint in the workdir (read by every process to resume)."""
         return tf.train.latest_checkpoint(self.join("checkpoints"))
 
-    def write_config(self, config: TrainConfig) -> None:
-        if not self.is_chief:
-            return
-        self.write_text("config.json", config.to_json() + "\n")
-        self.write_text("flags.txt", to_flagfile(config))
-
     def write_json(self, name: str, values: dict[str, Any]) -> None:
         if self.is_chief:
             self.write_text(name, json.dumps(values, indent=2, sort_keys=True) + "\n")
@@ -368,7 +361,7 @@ class RunDir:
         """Writes a SavedModel with a serving signature (staged, then renamed into place); chief only."""
         if not self.is_chief:
             return None
-        from tfdist.export import export_saved_model
+        from tfdist.training.export import export_saved_model
 
         final = self.join(name)
         with self.guard_write(f"the SavedModel export {name}/", final):
@@ -386,16 +379,3 @@ class RunDir:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
         self.release()
-
-
-def to_flagfile(config: TrainConfig) -> str:
-    """The configuration as an absl flagfile (unset optional values omitted)."""
-    lines = ["# Repeat this run: tfdist-train --flagfile=<this file>"]
-    for key, value in config.to_dict().items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            lines.append(f"--{key}" if value else f"--no{key}")
-        else:
-            lines.append(f"--{key}={value}")
-    return "\n".join(lines) + "\n"

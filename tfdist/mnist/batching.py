@@ -23,7 +23,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tfdist.config import DEFAULT_GLOBAL_BATCH_SIZE, TrainConfig
+from tfdist.mnist.config import DEFAULT_GLOBAL_BATCH_SIZE, TrainConfig
 from tfdist.errors import UserError
 
 

@@ -5,7 +5,7 @@ It is immutable; `validate()` checks everything that can be checked without
 touching TensorFlow or the filesystem (flag-rule: validators never do I/O) and
 raises `UserError` with a message that names the bad value and a valid one.
 Checks that need the resolved backend (replica counts, devices) live in
-`tfdist.batching` and `tfdist.precision`.
+`tfdist.mnist.batching` and `tfdist.precision`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import dataclasses
 import json
 from typing import Any, Optional
 
+from tfdist.distribute.options import StrategyOptions
 from tfdist.errors import UserError
 
-PRECISIONS = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("adam", "sgd")
@@ -68,7 +68,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Raises `UserError` for values no backend could accept."""
-        _choice("precision", self.precision, PRECISIONS)
+        StrategyOptions.of(self).validate()
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -78,10 +78,6 @@ class TrainConfig:
                             "or a positive step count.")
         self.profile_range()
         self.export_formats()
-        if self.hvd_compression is not None:
-            _choice("hvd_compression", self.hvd_compression, ("none", "fp16"))
-        if self.hvd_op is not None:
-            _choice("hvd_op", self.hvd_op, ("average", "adasum"))
         if self.global_batch_size is not None and self.per_replica_batch_size is not None:
             raise UserError(
                 f"--global_batch_size={self.global_batch_size} and "
@@ -95,13 +91,6 @@ class TrainConfig:
         _positive("steps_per_execution", self.steps_per_execution)
         _positive("max_steps", self.max_steps)
         _positive("keep_checkpoints", self.keep_checkpoints)
-        if self.num_cpu_replicas is not None and self.num_cpu_replicas < 1:
-            raise UserError(
-                f"--num_cpu_replicas={self.num_cpu_replicas} is below 1; give the number "
-                "of logical CPU devices to split the CPU into, e.g. --num_cpu_replicas=2."
-            )
-        if self.num_gpus is not None and self.num_gpus < 0:
-            raise UserError(f"--num_gpus={self.num_gpus} is negative; use 0 or more.")
         if self.learning_rate <= 0:
             raise UserError(
                 f"--learning_rate={self.learning_rate} must be positive, e.g. 0.001."
@@ -112,11 +101,6 @@ class TrainConfig:
             raise UserError(
                 f"--checkpoint_every_steps={self.checkpoint_every_steps} must be 0 "
                 "(checkpoint at each epoch end only) or a positive step count."
-            )
-        if self.collective_timeout_s < 0:
-            raise UserError(
-                f"--collective_timeout_s={self.collective_timeout_s} must be 0 (no "
-                "timeout) or a positive number of seconds."
             )
         return self
 
@@ -132,7 +116,7 @@ class TrainConfig:
 
     def export_formats(self) -> tuple[str, ...]:
         """``--export`` as a tuple of formats (``keras``, ``saved_model``)."""
-        from tfdist.export import parse_export_formats  # Pure parsing; imports Keras, not TensorFlow.
+        from tfdist.training.export import parse_export_formats  # Pure parsing; imports Keras, not TensorFlow.
 
         return parse_export_formats(self.export)
 
@@ -152,6 +136,18 @@ class TrainConfig:
                 f"{sorted(known)}."
             )
         return cls(**values)
+
+    def to_flagfile(self) -> str:
+        """The configuration as an absl flagfile (unset optional values omitted)."""
+        lines = ["# Repeat this run: tfdist-train --flagfile=<this file>"]
+        for key, value in self.to_dict().items():
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                lines.append(f"--{key}" if value else f"--no{key}")
+            else:
+                lines.append(f"--{key}={value}")
+        return "\n".join(lines) + "\n"
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

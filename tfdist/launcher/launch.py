@@ -2,7 +2,7 @@
 
 `Launcher` starts one process per task of a `ClusterLayout` with the TF_CONFIG
 that task needs -- on free loopback ports of this machine, or, given hosts, on
-each task's host through `ssh` (`tfdist.ssh`) on ports checked free there --
+each task's host through `ssh` (`tfdist.launcher.ssh`) on ports checked free there --
 prefixes every line each one prints with its role and index, forwards
 SIGINT/SIGTERM to all of them, and, when one fails, stops the others (SIGTERM,
 then SIGKILL after a grace period) and reports the failing task's exit status
@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Optional, Sequence, TextIO
 
-from tfdist import hosts as hosts_lib
+from tfdist.launcher import hosts as hosts_lib
 from tfdist.errors import UserError
-from tfdist.ssh import SshConfig
+from tfdist.launcher.ssh import SshConfig
 
 
 @dataclasses.dataclass(frozen=True)

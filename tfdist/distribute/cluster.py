@@ -2,7 +2,7 @@
 
 `resolve()` reads TF_CONFIG (or, when absent, a SLURM step's environment) and
 returns one typed, validated `ClusterInfo`. It never writes the environment;
-building strategies from it is `tfdist.strategies`' job. TensorFlow's own
+building strategies from it is `tfdist.distribute.strategies`' job. TensorFlow's own
 resolver accepts much nonsense silently, so everything is checked here and
 every error names the offending field and value and shows a valid one.
 """

@@ -2,8 +2,8 @@
 
 It takes what `Model.fit` takes (arrays, dicts/lists of arrays, sample
 weights, a `tf.data.Dataset`, or a dataset function of a
-`tf.distribute.InputContext`), trains with tfdist's loop (`tfdist.steps`,
-`tfdist.loop`) and returns a `keras.callbacks.History` with Keras' own keys.
+`tf.distribute.InputContext`), trains with tfdist's loop (`tfdist.training.steps`,
+`tfdist.training.loop`) and returns a `keras.callbacks.History` with Keras' own keys.
 Bad input raises `tfdist.UserError` (a `ValueError`) with one paragraph naming
 the problem and the fix, before any training step.
 """
@@ -21,10 +21,11 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist import inputs, steps as steps_lib, strategies
-from tfdist.backend import Backend, tf_variable
+from tfdist.training import inputs, steps as steps_lib
+from tfdist.distribute import strategies
+from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.loop import Controller, LoopPlan, LoopResult
+from tfdist.training.loop import Controller, LoopPlan, LoopResult
 
 PLAN_FILE = "plan.json"
 
@@ -341,7 +342,7 @@ def fit(
 
     See the README's "Use it from Python" section for every argument.
     """
-    from tfdist import export as export_lib, workdir as workdir_lib
+    from tfdist.training import export as export_lib, workdir as workdir_lib
 
     start = time.time()
     export = export_lib.parse_export_formats(",".join(export)) if export else ()

@@ -1,12 +1,12 @@
 """The outer training loop: when to train, evaluate, checkpoint, summarise and stop.
 
-`Controller` (after Orbit's Controller) drives `tfdist.steps.StepFunctions`
+`Controller` (after Orbit's Controller) drives `tfdist.training.steps.StepFunctions`
 through whole epochs. It knows nothing about the model: it schedules
 executions of at most ``steps_per_execution`` steps (several in flight where
 the backend runs them asynchronously), never past an epoch or checkpoint
 boundary; guards against non-finite losses; writes TensorBoard scalars and
 progress; evaluates at each epoch end; calls Keras callbacks with Keras'
-log names; checkpoints (chief only, through `tfdist.workdir.RunDir`); and turns
+log names; checkpoints (chief only, through `tfdist.training.workdir.RunDir`); and turns
 SIGTERM/SIGINT into a checkpoint and `Preempted`.
 
 Before the first step every task of a multi-worker job compares what it
@@ -32,9 +32,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.backend import Backend
+from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
-from tfdist.steps import StepFunctions
+from tfdist.training.steps import StepFunctions
 
 # A loss that stays non-finite this many steps in a row under loss scaling
 # is divergence, not an overflow the scale can absorb.

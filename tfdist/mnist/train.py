@@ -18,11 +18,14 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfdist import batching, data, model as model_lib, precision, strategies, workdir as workdir_lib
-from tfdist.backend import Backend
-from tfdist.config import TrainConfig
-from tfdist.fitting import fit
-from tfdist.loop import Preempted
+from tfdist.mnist import batching, data, model as model_lib
+from tfdist import precision
+from tfdist.distribute import strategies
+from tfdist.training import workdir as workdir_lib
+from tfdist.distribute.backend import Backend
+from tfdist.mnist.config import TrainConfig
+from tfdist.training.fitting import fit
+from tfdist.training.loop import Preempted
 
 __all__ = ["train_and_evaluate", "Preempted", "fingerprint_of"]
 
@@ -88,7 +91,8 @@ def _run(config: TrainConfig, backend: Backend, digits: Optional[data.Digits], s
 def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: batching.BatchPlan,
            choice: precision.PrecisionChoice, rundir: workdir_lib.RunDir, start: float) -> dict[str, Any]:
     model, step = _compile(config, plan, backend)
-    rundir.write_config(config)
+    rundir.write_text("config.json", config.to_json() + "\n")
+    rundir.write_text("flags.txt", config.to_flagfile())
     report: dict[str, Any] = {}
     fit(model, digits.train_images, digits.train_labels, batch_size=plan.global_batch, epochs=config.epochs,
         validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,

@@ -26,8 +26,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.backend import Backend, tf_variable
-from tfdist.cluster import ClusterInfo
+from tfdist.distribute.backend import Backend, tf_variable
+from tfdist.distribute.cluster import ClusterInfo
 from tfdist.errors import UserError
 
 CHIEF_WAIT_S = 300.0

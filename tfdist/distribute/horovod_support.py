@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfdist.backend import Backend, tf_variable
+from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
 
 INSTALL_HINT = (

@@ -2,7 +2,7 @@
 
 `StepFunctions` owns what runs on the devices (Orbit's StandardTrainer /
 StandardEvaluator): an execution of ``n`` replica steps inside one
-``tf.function``, for every backend through `tfdist.backend.Backend`. It honours
+``tf.function``, for every backend through `tfdist.distribute.backend.Backend`. It honours
 what the user compiled: the loss (via the model's own ``compute_loss``, so
 loss objects of any reduction, ``loss_weights``, several outputs and
 ``model.losses`` regularisers all count as Keras counts them), the compiled
@@ -34,7 +34,7 @@ import tensorflow as tf
 from keras.src.backend.common.masking import set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 
-from tfdist.backend import Backend, tf_variable
+from tfdist.distribute.backend import Backend, tf_variable
 
 NUM_SCALARS = 3  # examples, non-finite losses, stop requests.
 

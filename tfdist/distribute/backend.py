@@ -5,7 +5,7 @@ tf.distribute spells differently per strategy: topology (replicas, workers,
 chief), how to feed data, run a replica step, sum results across replicas,
 finish gradients, and execute a compiled function. Backends that are not
 tf.distribute strategies (Horovod) subclass it and override the few methods
-that differ, so the loop in `tfdist.train` never branches on the backend.
+that differ, so the training loop (`tfdist.training`) never branches on the backend.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfdist.cluster import LOCAL, ClusterInfo
+from tfdist.distribute.cluster import LOCAL, ClusterInfo
 
 
 def tf_variable(variable: Any) -> Any:
