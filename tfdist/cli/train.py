@@ -32,6 +32,10 @@ flags.DEFINE_integer("num_gpus", None, "GPUs for --strategy=mirrored (default: a
 flags.DEFINE_integer("num_cpu_replicas", None, "Split the CPU into N logical devices for --strategy=mirrored.")
 flags.DEFINE_string("all_reduce", _D.all_reduce, "Cross-device all-reduce: mirrored: auto|nccl|hierarchical_copy|"
                     "reduce_to_one; multi_worker_mirrored: auto|ring|nccl.")
+flags.DEFINE_enum("all_reduce_dtype", _D.all_reduce_dtype, ["float32", "bfloat16"], "The dtype gradients travel "
+                  "in during the all-reduce (bfloat16 halves the bytes; every synchronous backend).")
+flags.DEFINE_float("all_reduce_pack_mb", _D.all_reduce_pack_mb, "multi_worker_mirrored: pack gradients into "
+                   "all-reduces of this many MB (0: TensorFlow's default).")
 flags.DEFINE_float("collective_timeout_s", _D.collective_timeout_s,
                    "Seconds before a multi-worker collective gives up on a lost peer (0: no timeout).")
 flags.DEFINE_string("tpu", None, "TPU for --strategy=tpu: 'local', a TPU name or grpc://host:port.")

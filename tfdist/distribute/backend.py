@@ -27,6 +27,29 @@ def tf_variable(variable: Any) -> Any:
     return getattr(variable, "value", variable)
 
 
+def compress(grads: list[Any], dtype: str) -> list[Any]:
+    """Gradients as they travel: cast to `dtype` ("bfloat16" halves the bytes; "float32": unchanged)."""
+    if dtype == "float32":
+        return grads
+
+    def cast(g: Any) -> Any:
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(g.values, dtype), g.indices, g.dense_shape)
+        return tf.cast(g, dtype) if g.dtype.is_floating else g
+
+    return [cast(g) for g in grads]
+
+
+def decompress(grads: list[Any], like: list[Any]) -> list[Any]:
+    """Casts all-reduced gradients back to the dtypes of `like`."""
+    def cast(g: Any, ref: Any) -> Any:
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(g.values, ref.dtype), g.indices, g.dense_shape)
+        return tf.cast(g, ref.dtype)
+
+    return [cast(g, r) for g, r in zip(grads, like)]
+
+
 @dataclasses.dataclass
 class Backend:
     """A tf.distribute strategy as the training loop sees it."""
@@ -45,6 +68,8 @@ class Backend:
     # synchronous strategy). Parameter-server workers take steps dynamically,
     # so each reads the whole training set in its own random order instead.
     sharded_input: bool = True
+    # "bfloat16": gradients travel in bfloat16 (half the bytes) and are summed back in their own dtype.
+    gradient_dtype: str = "float32"
 
     # What `tfdist.make_strategy` returns: the tf.distribute strategy itself.
     @property
@@ -95,7 +120,8 @@ class Backend:
         present = [g for g in grads if g is not None]
         if context is None or not present or self.num_replicas == 1:
             return grads
-        reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+        sent = compress(present, self.gradient_dtype)
+        reduced = iter(decompress(context.all_reduce(tf.distribute.ReduceOp.SUM, sent), present))
         return [None if g is None else next(reduced) for g in grads]
 
     @property

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfdist.distribute.backend import Backend, tf_variable
+from tfdist.distribute.backend import Backend, compress, decompress, tf_variable
 from tfdist.errors import UserError
 
 INSTALL_HINT = (
@@ -190,9 +190,12 @@ class HorovodBackend(Backend):
 
     def distribute_dataset(self, dataset_fn: Callable) -> Iterable:
         size = int(self.hvd.size())
-        return dataset_fn(tf.distribute.InputContext(num_input_pipelines=size,
-                                                     input_pipeline_id=int(self.hvd.rank()),
-                                                     num_replicas_in_sync=size))
+        dataset = dataset_fn(tf.distribute.InputContext(num_input_pipelines=size,
+                                                        input_pipeline_id=int(self.hvd.rank()),
+                                                        num_replicas_in_sync=size))
+        if self.device_kind == "gpu":  # Like tf.distribute's fetch-to-device: batches wait on the GPU.
+            dataset = dataset.apply(tf.data.experimental.prefetch_to_device("/gpu:0"))
+        return dataset
 
     def run(self, fn: Callable, args: Sequence[Any]) -> Any:
         return fn(*args)
@@ -208,7 +211,9 @@ class HorovodBackend(Backend):
         present = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
         if self.op == "adasum":
             present = [g * float(self.hvd.size()) for g in present]
-        reduced = iter(self.hvd.grouped_allreduce(present, op=self._hvd_op, compression=self._compression))
+        sent = compress(present, self.gradient_dtype)
+        reduced = self.hvd.grouped_allreduce(sent, op=self._hvd_op, compression=self._compression)
+        reduced = iter(decompress(reduced, present))
         return [None if g is None else next(reduced) for g in grads]
 
     @property

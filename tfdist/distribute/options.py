@@ -36,6 +36,8 @@ class StrategyOptions:
     hvd_op: Optional[str] = None
     ps_shards: Optional[int] = None
     precision: str = "auto"
+    all_reduce_dtype: str = "float32"
+    all_reduce_pack_mb: float = 0.0
 
     @classmethod
     def of(cls, source: Any) -> "StrategyOptions":
@@ -49,6 +51,10 @@ class StrategyOptions:
 
     def validate(self) -> "StrategyOptions":
         choice("precision", self.precision, PRECISIONS)
+        choice("all_reduce_dtype", self.all_reduce_dtype, ("float32", "bfloat16"))
+        if self.all_reduce_pack_mb < 0:
+            raise UserError(f"--all_reduce_pack_mb={self.all_reduce_pack_mb} must be 0 (TensorFlow's default "
+                            "packing) or a positive size in MB, e.g. 32.")
         if self.hvd_compression is not None:
             choice("hvd_compression", self.hvd_compression, ("none", "fp16"))
         if self.hvd_op is not None:

@@ -56,6 +56,7 @@ def build_backend(config: Any) -> Backend:
         )
     _check_options(config)
     backend = builder(config)
+    backend.gradient_dtype = config.all_reduce_dtype
     logging.info("Strategy %s: %s", backend.name, backend.description or type(backend.strategy).__name__)
     return backend
 
@@ -78,6 +79,11 @@ def _check_options(config: StrategyOptions) -> None:
                 f"--all_reduce={config.all_reduce!r} is not valid with --strategy={strategy}; "
                 f"use one of: {', '.join(choices)}."
             )
+    if config.all_reduce_pack_mb and strategy not in ("multi_worker_mirrored", "auto"):
+        raise UserError(f"--all_reduce_pack_mb applies to --strategy=multi_worker_mirrored, not --strategy={strategy}.")
+    if config.all_reduce_dtype != "float32" and strategy in ("parameter_server", "default", "one_device"):
+        raise UserError(f"--all_reduce_dtype={config.all_reduce_dtype} applies to strategies that all-reduce "
+                        f"gradients (mirrored, multi_worker_mirrored, tpu, horovod), not --strategy={strategy}.")
     if config.ps_shards is not None and strategy not in ("parameter_server", "auto"):
         raise UserError(f"--ps_shards applies to --strategy=parameter_server, not --strategy={strategy}.")
     if config.num_cpu_replicas is not None and strategy not in ("mirrored", "auto"):
@@ -261,6 +267,7 @@ def _multi_worker_mirrored(config: StrategyOptions) -> Backend:
     if config.all_reduce == "nccl" and not _gpus():
         raise UserError("--all_reduce=nccl needs GPUs and this machine has none; use ring or auto.")
     options = tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=int(config.all_reduce_pack_mb * 2**20),
         implementation=implementation,
         timeout_seconds=config.collective_timeout_s or None,
     )
@@ -302,7 +309,8 @@ def _horovod(config: StrategyOptions) -> Backend:
 # The public factory ------------------------------------------------------------------
 _BACKENDS: dict[int, Backend] = {}
 _CURRENT: list[Backend] = []
-STRATEGY_OPTIONS = ("num_gpus", "num_cpu_replicas", "all_reduce", "collective_timeout_s", "tpu", "tpu_zone",
+STRATEGY_OPTIONS = ("num_gpus", "num_cpu_replicas", "all_reduce", "all_reduce_dtype", "all_reduce_pack_mb",
+                    "collective_timeout_s", "tpu", "tpu_zone",
                     "gcp_project", "hvd_compression", "hvd_op", "ps_shards", "precision")
 
 

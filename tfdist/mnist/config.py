@@ -31,6 +31,8 @@ class TrainConfig:
     num_gpus: Optional[int] = None
     num_cpu_replicas: Optional[int] = None
     all_reduce: str = "auto"
+    all_reduce_dtype: str = "float32"
+    all_reduce_pack_mb: float = 0.0
     collective_timeout_s: float = 0.0
     tpu: Optional[str] = None
     tpu_zone: Optional[str] = None
