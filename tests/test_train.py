@@ -75,13 +75,14 @@ def test_mirrored_two_cpu_replicas_reach_accuracy(tmp_path):
 
 
 def _weights_after(tmp_path, name, **changes):
-    run(tmp_path, name, precision="float32", max_steps=6, **changes)
+    # Plain SGD: Adam's update ignores a constant factor on every gradient and would hide a wrong scale.
+    run(tmp_path, name, precision="float32", max_steps=6, optimizer="sgd", learning_rate=0.1, **changes)
     return load_weights(str(tmp_path / name / "model.keras"))
 
 
 def test_replicas_split_the_global_batch_without_changing_the_update(tmp_path):
     one = _weights_after(tmp_path, "one", strategy="default")
-    two = _weights_after(tmp_path, "two", strategy="mirrored", num_cpu_replicas=2)
+    two = _weights_after(tmp_path, "two", strategy="mirrored", num_cpu_replicas=2, all_reduce="reduce_to_one")
     # In one process, collective all-reduce groups of different sizes collide
     # (TensorFlow keys them per strategy instance); real runs have one strategy.
     four = _weights_after(tmp_path, "four", strategy="mirrored", num_cpu_replicas=4, all_reduce="reduce_to_one")
@@ -152,3 +153,21 @@ def test_injected_backend_is_used(tmp_path):
     backend = strategies.build_backend(TrainConfig(strategy="mirrored", num_cpu_replicas=2))
     metrics = train.train_and_evaluate(TrainConfig(workdir=str(tmp_path / "w"), max_steps=4), backend=backend)
     assert metrics["strategy"] == "mirrored" and metrics["num_replicas"] == 2
+
+
+def test_xla_trains_to_the_same_accuracy(tmp_path):
+    plain = run(tmp_path, "plain", epochs=2, precision="float32", jit_compile="false")
+    xla = run(tmp_path, "xla", epochs=2, precision="float32", jit_compile="true")
+    assert plain["eval_accuracy"] >= 0.96 and abs(xla["eval_accuracy"] - plain["eval_accuracy"]) <= 0.01
+
+
+def test_profile_steps_leave_a_trace_and_summaries_follow_their_interval(tmp_path):
+    run(tmp_path, max_steps=30, steps_per_execution=5, profile_steps="5,10", summary_every_steps=10)
+    traces = tf.io.gfile.glob(str(tmp_path / "run" / "tensorboard" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert traces and all(os.path.getsize(t) > 0 for t in traces)
+    steps = set()
+    for event_file in tf.io.gfile.glob(str(tmp_path / "run" / "tensorboard" / "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(event_file):
+            if any(v.tag == "train/loss" for v in event.summary.value):
+                steps.add(event.step)
+    assert steps == {10, 20, 30}
