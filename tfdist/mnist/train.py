@@ -91,8 +91,6 @@ def _run(config: TrainConfig, backend: Backend, digits: Optional[data.Digits], s
 def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: batching.BatchPlan,
            choice: precision.PrecisionChoice, rundir: workdir_lib.RunDir, start: float) -> dict[str, Any]:
     model, step = _compile(config, plan, backend)
-    rundir.write_text("config.json", config.to_json() + "\n")
-    rundir.write_text("flags.txt", config.to_flagfile())
     report: dict[str, Any] = {}
     fit(model, digits.train_images, digits.train_labels, batch_size=plan.global_batch, epochs=config.epochs,
         validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,
@@ -101,7 +99,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         keep_checkpoints=config.keep_checkpoints, resume=config.resume, step_counter=step,
         jit_compile={"auto": "auto", "true": True, "false": False}[config.jit_compile],
         summary_every_steps=config.summary_every_steps, profile_steps=config.profile_range(),
-        export=config.export_formats(),
+        export=config.export_formats(), callbacks=[_WriteConfig(rundir, config)],
         plan_extra={"dataset": digits.name, "learning_rate": plan.learning_rate, "lr_schedule": config.lr_schedule, "optimizer": config.optimizer,
                     "warmup_steps": plan.warmup_steps, "precision": choice.policy},
         _report=report)
@@ -143,6 +141,18 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
     }
     rundir.write_json("metrics.json", metrics)
     return metrics
+
+
+class _WriteConfig(keras.callbacks.Callback):
+    """Writes config.json and flags.txt once fit has accepted the workdir (after its resume checks)."""
+
+    def __init__(self, rundir: workdir_lib.RunDir, config: TrainConfig):
+        super().__init__()
+        self.rundir, self.config = rundir, config
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self.rundir.write_text("config.json", self.config.to_json() + "\n")
+        self.rundir.write_text("flags.txt", self.config.to_flagfile())
 
 
 def fingerprint_of(model: keras.Model, backend: Backend) -> str:

@@ -417,14 +417,30 @@ def fit(
     return result.history
 
 
+def _local_replicas(backend: Backend) -> int:
+    try:
+        return len(backend.strategy.extended.worker_devices) or 1
+    except (AttributeError, RuntimeError):  # The default strategy has none: one device.
+        return 1
+
+
 def _resolve_jit(jit_compile: Any, backend: Backend, model: keras.Model) -> bool:
-    """Keras' rule for "auto" (XLA on GPU/TPU, not on CPU); refuses what XLA cannot run correctly."""
+    """XLA for the step: "auto" is on for one GPU per process, like Keras; refused where XLA cannot run it.
+
+    TPUStrategy compiles every step with XLA itself, so "auto" leaves it alone there.
+    """
+    loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    single = _local_replicas(backend) == 1 and backend.name != "horovod"
     if jit_compile == "auto":
-        return backend.device_kind in ("gpu", "tpu") and not isinstance(
-            model.optimizer, keras.optimizers.LossScaleOptimizer)
+        return backend.device_kind == "gpu" and single and not loss_scaled
     if jit_compile not in (True, False):
         raise _fail(f"jit_compile={jit_compile!r} must be 'auto', True or False.")
-    if jit_compile and isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) and backend.num_replicas > 1:
+    if jit_compile and not single:
+        raise _fail(
+            f"XLA (jit_compile) is supported here with one replica per process; this {backend.name} backend has "
+            f"{_local_replicas(backend)} local replica(s){' (Horovod ops are not XLA ops)' if backend.name == 'horovod' else ''}"
+            ". Use --jit_compile=auto/false, or one process per device (multi_worker_mirrored).")
+    if jit_compile and loss_scaled and backend.num_replicas > 1:
         raise _fail("XLA (jit_compile) with loss scaling (mixed_float16) across several replicas hits an upstream "
                     "Keras bug (keras-team/keras#21366); use --precision=mixed_bfloat16 (no loss scaling), or "
                     "--jit_compile=false.")
