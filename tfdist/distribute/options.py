@@ -42,7 +42,7 @@ class StrategyOptions:
     @classmethod
     def of(cls, source: Any) -> "StrategyOptions":
         """The strategy fields of any object that has them (a `TrainConfig`, or options themselves)."""
-        if isinstance(source, cls):
+        if type(source) is cls:
             return source
         return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
 

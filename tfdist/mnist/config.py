@@ -23,23 +23,13 @@ OPTIMIZERS = ("adam", "sgd")
 DEFAULT_GLOBAL_BATCH_SIZE = 128
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything one training run needs. Defaults train MNIST offline."""
+class TrainConfig(StrategyOptions):
+    """Everything one training run needs. Defaults train MNIST offline.
 
-    # Backend.
-    strategy: str = "auto"
-    num_gpus: Optional[int] = None
-    num_cpu_replicas: Optional[int] = None
-    all_reduce: str = "auto"
-    all_reduce_dtype: str = "float32"
-    all_reduce_pack_mb: float = 0.0
-    collective_timeout_s: float = 0.0
-    tpu: Optional[str] = None
-    tpu_zone: Optional[str] = None
-    gcp_project: Optional[str] = None
-    hvd_compression: Optional[str] = None
-    hvd_op: Optional[str] = None
-    ps_shards: Optional[int] = None
+    The backend fields (strategy, all_reduce, tpu, precision, ...) are
+    `StrategyOptions`'; the rest are the program's own.
+    """
+
     # Data.
     dataset: str = "mnist"
     data_dir: Optional[str] = None
@@ -55,7 +45,6 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     grad_accum_steps: int = 1
     steps_per_execution: Optional[int] = None
-    precision: str = "auto"
     jit_compile: str = "auto"
     seed: int = 0
     # Run directory.
@@ -70,7 +59,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Raises `UserError` for values no backend could accept."""
-        StrategyOptions.of(self).validate()
+        super().validate()
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -150,9 +139,6 @@ class TrainConfig:
             else:
                 lines.append(f"--{key}={value}")
         return "\n".join(lines) + "\n"
-
-    def replace(self, **changes: Any) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
 
 
 def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
