@@ -30,14 +30,23 @@ def run(command, *, launch=(), env=None, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def keras_accuracy():
-    """Plain Keras model.fit on the same model, data, batch and epochs (3): the bar every backend must meet."""
+def keras_history():
+    """Plain Keras model.fit on the same model, data and batch: val_accuracy after each of 5 epochs.
+
+    The rate is constant, so its first 3 epochs are those of a 3-epoch run.
+    """
     keras.utils.set_random_seed(0)
     model = EXAMPLE.build_model()
     model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    history = model.fit(EXAMPLE.features(DIGITS.train_images), DIGITS.train_labels, batch_size=64, epochs=3,
+    history = model.fit(EXAMPLE.features(DIGITS.train_images), DIGITS.train_labels, batch_size=64, epochs=5,
                         verbose=0, validation_data=(EXAMPLE.features(DIGITS.eval_images), DIGITS.eval_labels))
-    return history.history["val_accuracy"][-1]
+    return history.history["val_accuracy"]
+
+
+@pytest.fixture(scope="module")
+def keras_accuracy(keras_history):
+    """The bar every backend must meet after the examples' 3 epochs."""
+    return keras_history[2]
 
 
 def summaries(output):
@@ -56,13 +65,14 @@ def test_dict_example_on_two_workers_ends_with_identical_weights(keras_accuracy)
     assert abs(float(found[0][1]) - keras_accuracy) <= 0.02, (found, keras_accuracy)
 
 
-def test_dict_example_parameter_server_job(keras_accuracy):
-    output = run(DICT, launch=["--num_workers=2", "--num_ps=1"])
+def test_dict_example_parameter_server_job(keras_history):
+    # Asynchronous updates in each worker's own random order trail synchronous training early on
+    # (measured after 3 epochs: 0.9305-0.9435 against Keras' 0.9675), so this job runs 5 epochs
+    # (measured 0.9720 against 0.9755).
+    output = run([*DICT, "--epochs=5"], launch=["--num_workers=2", "--num_ps=1"])
     found = summaries(output)
     assert len(found) == 1, output[-3000:]  # Only the chief runs the loop; workers and ps exit 0.
-    # Asynchronous: workers apply steps as they finish, each reading the digits in its own random order, so
-    # this is a different run from Keras' (measured 0.9435 against 0.9675 once); 3 points, not 2.
-    assert abs(float(found[0][1]) - keras_accuracy) <= 0.03, (found, keras_accuracy)
+    assert abs(float(found[0][1]) - keras_history[4]) <= 0.02, (found, keras_history)
     assert "job done" in output
 
 
