@@ -30,7 +30,7 @@ HOROVOD_BUILD_ENV = {
 
 @nox.session(name="tests-tf2.21")
 def tests_tf221(session: nox.Session) -> None:
-    session.install("tensorflow==2.21.0", "-e", ".[test]")
+    session.install("tensorflow==2.21.0", "-e", ".[test,bench]")
     session.run(*PYTEST, *session.posargs)
 
 

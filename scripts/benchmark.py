@@ -256,7 +256,8 @@ def count_gpus() -> int:
 
 
 def _version(package: str, python: Optional[str] = None) -> Optional[str]:
-    if python and os.path.realpath(python) != os.path.realpath(sys.executable):
+    # Not realpath: venvs' pythons link to one interpreter but see different site-packages.
+    if python and os.path.abspath(python) != os.path.abspath(sys.executable):
         code = f"import importlib.metadata as m; print(m.version({package!r}))"
         result = subprocess.run([python, "-c", code], capture_output=True, text=True)
         return result.stdout.strip() or None
@@ -267,18 +268,22 @@ def _version(package: str, python: Optional[str] = None) -> Optional[str]:
 
 
 def machine_facts(gpus: int, settings: Settings) -> dict:
-    model, flags = None, []
+    model, flags, ids = None, [], {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name") and model is None:
                     model = line.split(":", 1)[1].strip()
+                for key in ("cpu family", "model", "stepping"):
+                    if line.split(":")[0].strip() == key:
+                        ids.setdefault(key, line.split(":", 1)[1].strip())
                 if line.startswith("flags") and not flags:
                     flags = line.split(":", 1)[1].split()
     except OSError:
         pass
     facts = {
         "cpu_model": model or platform.processor() or platform.machine(),
+        "cpu_id": ", ".join(f"{k} {v}" for k, v in ids.items()),
         "cpu_cores": os.cpu_count(),
         "cpu_bf16_flags": sorted(set(flags) & {"amx_bf16", "avx512_bf16"}),
         "gpus": gpus,
@@ -288,7 +293,7 @@ def machine_facts(gpus: int, settings: Settings) -> dict:
         "keras": _version("keras"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    if gpus:
+    if gpus and shutil.which("nvidia-smi"):
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
         facts["gpu_models"] = [line.split(":", 1)[1].split("(")[0].strip() for line in out.splitlines()
                                if line.startswith("GPU ")]
@@ -404,6 +409,27 @@ def measure(row: Row, repeats: int, run: Callable[[Side], dict] = run_side) -> d
     return result
 
 
+def overhead_model(results: list[dict]) -> dict:
+    """Where step time goes, from the spe sweep: a least-squares fit of step_ms = compute + per_call / spe.
+
+    ``compute_ms_per_step`` is what a step costs however many steps share a
+    call; ``per_call_ms`` is the fixed cost of one execution (Python, dispatch,
+    reading back results), paid once per ``steps_per_execution`` steps.
+    """
+    sweep = [r for r in results if r["spe"] is not None]
+    if len(sweep) < 2:
+        return {}
+    fits = {}
+    for side, name in (("a", "tfdist"), ("b", "keras")):
+        xs = [1.0 / r["spe"] for r in sweep]
+        ys = [1000.0 * r[side]["global_batch_size"] / r[side]["median"] for r in sweep]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        fits[name] = {"compute_ms_per_step": round(my - slope * mx, 3), "per_call_ms": round(slope, 3),
+                      "step_ms_by_spe": {str(r["spe"]): round(y, 3) for r, y in zip(sweep, ys)}}
+    return fits
+
+
 # Chart ----------------------------------------------------------------------------
 def import_pyplot():
     """matplotlib's pyplot on the Agg backend, or SystemExit with one paragraph saying how to get it."""
@@ -471,6 +497,20 @@ def draw(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def markdown_table(report: dict) -> str:
+    """The README's table: one line per row, ratio of medians and both sides' median (min-max)."""
+    def side(s: dict) -> str:
+        return f"{s['label']}: {s['median'] / 1000:.2f}k ({s['min'] / 1000:.2f}-{s['max'] / 1000:.2f}k)"
+
+    lines = ["| row | A / B (ratio of medians) | A examples/s, median (min-max) | B examples/s, median (min-max) "
+             "| target |", "| --- | --- | --- | --- | --- |"]
+    for r in report["rows"]:
+        target = "" if r["target"] is None else f">= {r['target']:.2f}: {'met' if r['target_met'] else '**not met**'}"
+        lines.append(f"| `{r['row']}` {r['title']} | {r['ratio_a_over_b']:.2f}x | {side(r['a'])} | {side(r['b'])} "
+                     f"| {target} |")
+    return "\n".join(lines)
+
+
 # Main -----------------------------------------------------------------------------
 def _print_row(result: dict) -> None:
     a, b = result["a"], result["b"]
@@ -528,11 +568,16 @@ def main(argv: Optional[Sequence[str]] = None, run: Callable[[Side], dict] = run
     start = time.perf_counter()
     report = {"machine": machine_facts(gpus, settings),
               "settings": {**dataclasses.asdict(settings), "repeats": args.repeats, "rows": args.rows},
-              "skipped": skipped, "rows": []}
+              "skipped": skipped, "failed": [], "rows": []}
     os.makedirs(args.out_dir, exist_ok=True)
     json_path = os.path.join(args.out_dir, "benchmark.json")
     for row in rows:
-        result = measure(row, args.repeats, run)
+        try:
+            result = measure(row, args.repeats, run)
+        except RuntimeError as e:  # One broken row must not cost the others' measurements.
+            report["failed"].append({"row": row.name, "error": str(e)[-4000:]})
+            print(f"{row.name:>12}: FAILED {str(e)[-1500:]}", flush=True)
+            continue
         report["rows"].append(result)
         _print_row(result)
         report["duration_seconds"] = round(time.perf_counter() - start, 1)
@@ -541,10 +586,12 @@ def main(argv: Optional[Sequence[str]] = None, run: Callable[[Side], dict] = run
     report["spe_sweep"] = [{"steps_per_execution": r["spe"], "tfdist_median": r["a"]["median"],
                             "keras_median": r["b"]["median"], "ratio": r["ratio_a_over_b"]}
                            for r in report["rows"] if r["spe"] is not None]
+    report["spe_overhead_model"] = overhead_model(report["rows"])
     report["duration_seconds"] = round(time.perf_counter() - start, 1)
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {json_path} ({report['duration_seconds']:.0f} s)", flush=True)
+    print(markdown_table(report), flush=True)
     if not args.no_chart and report["rows"]:
         png = os.path.join(args.out_dir, "benchmark.png")
         draw(report, png)
