@@ -123,21 +123,28 @@ class Settings:
     batch: int = 128
     precision: str = "float32"
     steps_per_execution: int = 10
+    learning_rate: float = 3e-3  # Passed to both sides, so a change of either program's default cannot skew a row.
+    lr_schedule: str = "cosine"
     horovod_python: Optional[str] = None
+
+    def schedule_flags(self) -> tuple[str, ...]:
+        return (f"--learning_rate={self.learning_rate:g}", f"--lr_schedule={self.lr_schedule}")
 
 
 def _tfdist(label: str, *flags: str, settings: Settings, strategy: str = "default", precision: Optional[str] = None,
             spe: Optional[int] = None, **side: object) -> Side:
     return Side(label, "tfdist", (f"--strategy={strategy}", f"--global_batch_size={settings.batch}",
                                   f"--epochs={settings.epochs}", f"--precision={precision or settings.precision}",
-                                  f"--steps_per_execution={spe or settings.steps_per_execution}", *flags), **side)
+                                  f"--steps_per_execution={spe or settings.steps_per_execution}",
+                                  *settings.schedule_flags(), *flags), **side)
 
 
 def _keras(label: str, *flags: str, settings: Settings, precision: Optional[str] = None, spe: Optional[int] = None,
            **side: object) -> Side:
     return Side(label, "keras", (f"--batch_size={settings.batch}", f"--epochs={settings.epochs}",
                                  f"--precision={precision or settings.precision}",
-                                 f"--steps_per_execution={spe or settings.steps_per_execution}", *flags), **side)
+                                 f"--steps_per_execution={spe or settings.steps_per_execution}",
+                                 *settings.schedule_flags(), *flags), **side)
 
 
 def _cpu_rows(group: str, s: Settings) -> list[Row]:

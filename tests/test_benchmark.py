@@ -66,7 +66,7 @@ def test_fit_and_spe_sides_match_everything_but_the_program(bench):
         row = rows[f"spe{n}"]
         assert row.spe == n
         assert f"--steps_per_execution={n}" in row.a.flags and f"--steps_per_execution={n}" in row.b.flags
-    for flag in ("--precision=float32", "--epochs=4"):
+    for flag in ("--precision=float32", "--epochs=4", "--learning_rate=0.003", "--lr_schedule=cosine"):
         assert flag in fit.a.flags and flag in fit.b.flags
     assert "--global_batch_size=128" in fit.a.flags and "--batch_size=128" in fit.b.flags
 
