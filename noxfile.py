@@ -54,7 +54,7 @@ def ensure_sshd(session: nox.Session) -> None:
 @nox.session(name="tests-tf2.21")
 def tests_tf221(session: nox.Session) -> None:
     ensure_sshd(session)
-    session.install("tensorflow==2.21.0", "-e", ".[test]")
+    session.install("tensorflow==2.21.0", "-e", ".[test,bench]")
     session.run(*PYTEST, *session.posargs)
 
 

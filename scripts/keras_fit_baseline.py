@@ -1,10 +1,15 @@
 """The baseline tfdist is measured against: plain Keras 3 `model.fit`, no strategy.
 
-Same model (tfdist.mnist.model.build_cnn), same bundled digits, same batch and
-precision; Keras defaults otherwise. Prints one JSON line with per-epoch
-training seconds (evaluation excluded) and the held-out accuracy.
+Everything that decides a step's cost is set as tfdist-train sets it, so the
+two are compared like with like: the same model (tfdist.mnist.model.build_cnn, seed
+0), the same bundled digits (whole batches only), the same batch, precision
+and XLA setting, Adam with the same learning rate and schedule
+(tfdist.mnist.batching.WarmupCosine: cosine decay to 0 over the run, or constant),
+and the same ``steps_per_execution`` (tfdist's default is 10; Keras' is 1).
+Prints one JSON line with per-epoch training seconds (evaluation excluded),
+the held-out accuracy and the versions.
 
-  python scripts/keras_fit_baseline.py --epochs=4 --batch_size=128 --precision=mixed_bfloat16
+  python scripts/keras_fit_baseline.py --epochs=4 --batch_size=128 --steps_per_execution=10
 """
 
 import argparse
@@ -16,7 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 
-from tfdist.mnist import data, model  # noqa: E402
+from tfdist.mnist import batching, data, model  # noqa: E402
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -31,24 +36,37 @@ class EpochTimer(keras.callbacks.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--precision", default="float32")
+    parser.add_argument("--steps_per_execution", type=int, default=10, help="As tfdist-train's default (10).")
+    parser.add_argument("--learning_rate", type=float, default=3e-3, help="As tfdist-train's default.")
+    parser.add_argument("--lr_schedule", choices=("cosine", "constant"), default="cosine")
+    parser.add_argument("--jit_compile", choices=("auto", "true", "false"), default="auto")
+    parser.add_argument("--dataset", default="mnist")
     args = parser.parse_args()
     keras.mixed_precision.set_dtype_policy(args.precision)
-    digits = data.load_dataset("mnist")
-    net = model.build_cnn(0)
-    net.compile(optimizer=keras.optimizers.Adam(1e-3),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    timer = EpochTimer()
+    digits = data.load_dataset(args.dataset)
     steps = digits.num_train // args.batch_size
     n = steps * args.batch_size  # Whole batches only, as tfdist trains.
+    schedule = batching.WarmupCosine(args.learning_rate, 0, steps * args.epochs if args.lr_schedule == "cosine"
+                                     else 0)
+    net = model.build_cnn(0)
+    net.compile(optimizer=keras.optimizers.Adam(schedule),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                steps_per_execution=args.steps_per_execution,
+                jit_compile={"auto": "auto", "true": True, "false": False}[args.jit_compile])
+    timer = EpochTimer()
     net.fit(digits.train_images[:n], digits.train_labels[:n], batch_size=args.batch_size, epochs=args.epochs,
             shuffle=True, callbacks=[timer], verbose=0)
     _, accuracy = net.evaluate(digits.eval_images, digits.eval_labels, verbose=0)
+    import tensorflow as tf
+
     print(json.dumps({"epoch_train_seconds": timer.seconds, "steps_per_epoch": steps,
-                      "global_batch_size": args.batch_size, "eval_accuracy": float(accuracy)}))
+                      "global_batch_size": args.batch_size, "steps_per_execution": args.steps_per_execution,
+                      "eval_accuracy": float(accuracy), "precision": args.precision,
+                      "tensorflow_version": tf.__version__, "keras_version": keras.__version__}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""scripts/benchmark.py: which rows a machine gets, and one real row end to end.
+
+No TensorFlow runs on a GPU here, so the GPU rows are checked by selecting
+them for stand-in GPU counts and reading the commands they would run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmark", os.path.join(REPO, "scripts", "benchmark.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmark"] = module  # dataclasses resolve string annotations through sys.modules.
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("benchmark", None)
+
+
+CPU_ROWS = ["fit", "input", "bf16", "jit", "mwms", "allreduce", "ps", "spe1", "spe2", "spe5", "spe10", "spe20",
+            "spe50"]
+
+
+def test_cpu_only_machine_gets_cpu_rows_pinned_to_the_cpu(bench):
+    rows = bench.select_rows(["all"], gpus=0)
+    assert [r.name for r in rows] == CPU_ROWS
+    assert all(r.device == "cpu" and r.a.visible_gpus == "" and r.b.visible_gpus == "" for r in rows)
+
+
+def test_one_gpu_adds_single_gpu_rows_but_not_mirrored(bench):
+    rows = bench.select_rows(["all"], gpus=1)
+    assert [r.name for r in rows] == CPU_ROWS + ["gpu_fit", "gpu_bf16", "gpu_fp16", "gpu_xla"]
+    gpu = {r.name: r for r in rows if r.device == "gpu"}
+    assert all(r.a.visible_gpus == "0" and r.b.visible_gpus == "0" for r in gpu.values())
+    assert gpu["gpu_fit"].b.program == "keras"
+    assert "--precision=mixed_float16" in gpu["gpu_fp16"].a.flags and "--precision=float32" in gpu["gpu_fp16"].b.flags
+    assert "--jit_compile=true" in gpu["gpu_xla"].a.flags and "--jit_compile=false" in gpu["gpu_xla"].b.flags
+
+
+def test_four_gpus_add_mirrored_four_vs_one_at_the_same_global_batch(bench):
+    rows = {r.name: r for r in bench.select_rows(["gpu"], gpus=4)}
+    assert list(rows) == ["gpu_fit", "gpu_bf16", "gpu_fp16", "gpu_xla", "gpu_mirrored"]
+    mirrored = rows["gpu_mirrored"]
+    assert mirrored.a.visible_gpus == "0,1,2,3" and mirrored.b.visible_gpus == "0"
+    assert {"--strategy=mirrored", "--num_gpus=4", "--global_batch_size=128"} <= set(mirrored.a.flags)
+    assert {"--strategy=default", "--global_batch_size=128"} <= set(mirrored.b.flags)
+    assert bench.select_rows(["gpu"], gpus=0) == []
+
+
+def test_fit_and_spe_sides_match_everything_but_the_program(bench):
+    rows = {r.name: r for r in bench.select_rows(["fit", "spe"], gpus=0)}
+    fit = rows["fit"]
+    assert "--steps_per_execution=10" in fit.a.flags and "--steps_per_execution=10" in fit.b.flags
+    for n in bench.SPE_SWEEP:
+        row = rows[f"spe{n}"]
+        assert row.spe == n
+        assert f"--steps_per_execution={n}" in row.a.flags and f"--steps_per_execution={n}" in row.b.flags
+    for flag in ("--precision=float32", "--epochs=4", "--learning_rate=0.003", "--lr_schedule=cosine"):
+        assert flag in fit.a.flags and flag in fit.b.flags
+    assert "--global_batch_size=128" in fit.a.flags and "--batch_size=128" in fit.b.flags
+
+
+def test_horovod_rows_need_a_horovod_python(bench):
+    assert bench.select_rows(["horovod"], gpus=0) == []
+    settings = bench.Settings(horovod_python="/opt/hvd/bin/python")
+    (row,) = bench.select_rows(["horovod"], gpus=0, settings=settings)
+    assert row.a.command("W")[:3] == ["/opt/hvd/bin/horovodrun", "-np", "2"]
+    assert row.b.python == "/opt/hvd/bin/python" and "--strategy=multi_worker_mirrored" in row.b.flags
+
+
+def test_unknown_row_lists_the_valid_ones(bench):
+    with pytest.raises(ValueError, match="valid rows: all, fit, input"):
+        bench.select_rows(["fit", "fast"], gpus=0)
+
+
+def test_ratio_is_between_medians_and_sides_alternate(bench):
+    order = []
+
+    def fake(side):
+        order.append(side.label)
+        seconds = {"real digits": [9.0, 1.0, 2.0, 1.0], "synthetic": [9.0, 2.0, 2.0, 2.0]}[side.label]
+        return {"epoch_train_seconds": seconds, "steps_per_epoch": 10, "global_batch_size": 100,
+                "eval_accuracy": 0.5, "process_seconds": 1.0}
+
+    (row,) = bench.select_rows(["input"], gpus=0)
+    result = bench.measure(row, repeats=2, run=fake)
+    assert order == ["real digits", "synthetic", "real digits", "synthetic"]
+    assert result["a"]["median"] == pytest.approx(3000 / 4) and result["b"]["median"] == 500
+    assert result["ratio_a_over_b"] == pytest.approx(1.5)
+    assert result["target"] == 0.95 and result["target_met"] is True
+
+
+def test_one_real_row_writes_json_and_chart(bench, tmp_path):
+    pytest.importorskip("matplotlib")
+    report = bench.main(["--rows=input", "--epochs=2", "--repeats=1", f"--out_dir={tmp_path}", "--gpus=0"])
+    with open(tmp_path / "benchmark.json") as f:
+        saved = json.load(f)
+    assert saved["rows"][0]["row"] == "input" == report["rows"][0]["row"]
+    assert {"machine", "settings", "rows", "duration_seconds", "spe_sweep", "skipped"} <= set(saved)
+    assert {"cpu_model", "cpu_cores", "tensorflow", "keras", "date"} <= set(saved["machine"])
+    row = saved["rows"][0]
+    for side in ("a", "b"):
+        assert {"examples_per_sec", "median", "min", "max", "eval_accuracy", "epoch_train_seconds"} <= set(row[side])
+        assert row[side]["median"] > 0 and len(row[side]["epoch_train_seconds"][0]) == 2
+    assert row["a"]["dataset"] == "mnist" and row["b"]["dataset"] == "synthetic"
+    assert row["ratio_a_over_b"] == pytest.approx(row["a"]["median"] / row["b"]["median"], rel=1e-3)
+    png = tmp_path / "benchmark.png"
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_matplotlib_is_one_clear_paragraph(bench, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(SystemExit, match=r"pip install 'tfdist\[bench\]'.*--no_chart"):
+        bench.main(["--rows=input", "--gpus=0"])
