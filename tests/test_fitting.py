@@ -6,6 +6,7 @@ every gradient, so it would hide a wrong division by the replica count.
 
 import importlib.util
 import os
+import re
 
 import keras
 import numpy as np
@@ -112,6 +113,17 @@ def test_validation_metrics_count_every_example_once():
     assert history.history["val_loss"][-1] == pytest.approx(loss, rel=1e-4)
 
 
+def example_of_replica_1(size=64):
+    """The example that the topology-independent order puts first in replica 1's half of global batch 0.
+
+    Keras alone takes replica 0's skip decision for every replica: an overflow there would be skipped
+    even without tfdist's all-reduce-first order, so the test overflows replica 1.
+    """
+    position = tf.constant([size // 2], tf.int64)
+    return int(tf.random.experimental.index_shuffle(position, seed=tf.constant([0, 0], tf.int64),
+                                                    max_index=size - 1)[0])
+
+
 def test_loss_scaling_skips_an_overflow_on_one_replica_everywhere():
     strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="mixed_float16", **MIRRORED)
     try:
@@ -119,7 +131,7 @@ def test_loss_scaling_skips_an_overflow_on_one_replica_everywhere():
             model = dense_model(optimizer=keras.optimizers.SGD(0.1))
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         x = X[:64].copy()
-        x[40] = 1e5  # Global batch 0, replica 1's half only: float16 overflows there.
+        x[example_of_replica_1()] = 1e5  # Global batch 0, replica 1's half only: float16 overflows there.
         before = [np.asarray(w) for w in model.get_weights()]
         scale = float(model.optimizer.initial_scale)
         tfdist.fit(model, x, Y[:64], batch_size=64, epochs=1, max_steps=1, seed=0, verbose=0)
@@ -242,3 +254,35 @@ def test_bfloat16_all_reduce_is_close_to_float32_but_really_compressed():
     assert 0 < difference < 2e-2, difference  # bfloat16 keeps ~3 significant digits; SGD at lr 0.5, 8 steps.
     with pytest.raises(tfdist.UserError, match="--all_reduce_dtype=bfloat16 applies to strategies that all-reduce"):
         tfdist.make_strategy("default", all_reduce_dtype="bfloat16")
+
+
+def test_a_diverging_run_stops_with_one_paragraph_counting_steps():
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = dense_model(optimizer=keras.optimizers.SGD(1e12))
+    with pytest.raises(tfdist.UserError) as error:
+        tfdist.fit(model, X, Y, batch_size=64, epochs=1, steps_per_execution=4, verbose=0)
+    message = str(error.value)
+    count, step = re.search(r"non-finite \(NaN or inf\) in (\d+) of the steps up to step (\d+)", message).groups()
+    assert 1 <= int(count) <= 4 and int(step) % 4 == 0, message  # Steps, not replica-steps.
+
+
+def test_metrics_that_cannot_be_summed_are_refused():
+    class Last(keras.metrics.Metric):
+        def __init__(self):
+            super().__init__(name="last")
+            self.value = self.add_variable((), "zeros", aggregation="mean", name="value")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.value.assign(keras.ops.mean(y_pred))
+
+        def result(self):
+            return self.value
+
+    tfdist.make_strategy("default", precision="float32")
+    inputs = keras.Input((28, 28, 1))
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs)))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[Last()])
+    bad(r"Metric 'last' keeps state .*aggregation mean\) that cannot be summed across replicas", model, X[:64],
+        Y[:64], batch_size=32)

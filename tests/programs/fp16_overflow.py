@@ -7,6 +7,7 @@ import sys
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import tfdist
 from tfdist.mnist import data
@@ -15,7 +16,11 @@ options = {"num_cpu_replicas": 2} if sys.argv[1] == "mirrored" else {}
 strategy = tfdist.make_strategy(sys.argv[1], precision="mixed_float16", **options)
 digits = data.load_dataset("mnist")
 x, y = digits.train_images[:64].astype("float32") / 255.0, digits.train_labels[:64]
-x[40] = 1e5  # float16 overflows in the replica whose half of the global batch holds example 40.
+# The example the topology-independent order puts in replica 1's half of global batch 0 (Keras alone
+# would take replica 0's skip decision for everyone, so replica 1 is the one that tells).
+first_of_replica_1 = int(tf.random.experimental.index_shuffle(
+    tf.constant([32], tf.int64), seed=tf.constant([0, 0], tf.int64), max_index=63)[0])
+x[first_of_replica_1] = 1e5
 with strategy.scope():
     model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)])
     model.compile(optimizer=keras.optimizers.SGD(0.1),

@@ -43,8 +43,8 @@ flags.DEFINE_string("tpu_zone", None, "GCE zone of the TPU (--strategy=tpu).")
 flags.DEFINE_string("gcp_project", None, "GCP project of the TPU (--strategy=tpu).")
 flags.DEFINE_string("hvd_compression", None, "Horovod gradient compression: none|fp16.")
 flags.DEFINE_string("hvd_op", None, "Horovod reduction: average|adasum.")
-flags.DEFINE_integer("ps_shards", None, "Parameter servers each large variable is split across "
-                     "(--strategy=parameter_server; default: whole variables, round-robin).")
+flags.DEFINE_integer("ps_shards", None, "--strategy=parameter_server: 1 (whole variables, round-robin over the ps "
+                     "tasks); more is refused, Keras 3 variables cannot be partitioned.")
 # Data.
 flags.DEFINE_string("dataset", _D.dataset, "mnist (bundled) | synthetic | idx:DIR | tfds:NAME.")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (tfds:NAME).")
@@ -64,8 +64,8 @@ flags.DEFINE_enum("lr_schedule", _D.lr_schedule, LR_SCHEDULES, "After warm-up: c
 flags.DEFINE_integer("grad_accum_steps", _D.grad_accum_steps, "Micro-batches accumulated per optimizer step.")
 flags.DEFINE_integer("steps_per_execution", None, "Steps per compiled execution (default 10; 100 on TPU).")
 flags.DEFINE_string("precision", _D.precision, f"One of: {', '.join(PRECISIONS)}.")
-flags.DEFINE_enum("jit_compile", _D.jit_compile, ["auto", "true", "false"], "XLA for the compiled step: auto is "
-                  "Keras' rule (on for GPU/TPU, off on CPU, where it is slower).")
+flags.DEFINE_enum("jit_compile", _D.jit_compile, ["auto", "true", "false"], "XLA for each compiled step: auto is "
+                  "on for one GPU per process, off on CPUs and TPUs (TPUStrategy compiles with XLA itself).")
 flags.DEFINE_integer("seed", _D.seed, "Seed for weights and data order.")
 # Run directory.
 flags.DEFINE_string("workdir", None, "Run directory (default: a new one under ./runs/).")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from tfdist.errors import UserError
 
@@ -124,7 +124,7 @@ def from_slurm(environ: Mapping[str, str]) -> ClusterInfo:
     return ClusterInfo("SLURM", cluster, task_type, int(task_id))
 
 
-def tf_cluster_resolver(info: ClusterInfo):
+def tf_cluster_resolver(info: ClusterInfo) -> Optional[Any]:
     """A TensorFlow cluster resolver for `info` (None when alone or from TF_CONFIG).
 
     TF_CONFIG clusters are left to TensorFlow's own TFConfigClusterResolver,

@@ -132,7 +132,7 @@ class ParameterServerBackend(Backend):
     def dispatch(self, compiled: Callable, *args: Any) -> Any:
         return self.coordinator.schedule(compiled, args=args)
 
-    def fetch(self, handle: Any) -> np.ndarray:
+    def fetch(self, handle: Any) -> "np.ndarray | None":
         try:
             return np.asarray(handle.fetch())
         except tf.errors.UnavailableError as e:
@@ -145,7 +145,7 @@ class ParameterServerBackend(Backend):
                 raise
             logging.warning("A worker died holding the loss/accuracy of steps it had finished; those steps "
                             "count, their metrics are left out of this epoch's averages.")
-            return np.zeros(4)
+            return None
 
     def distribute_eval_dataset(self, dataset_fn: Callable) -> Iterable:
         return dataset_fn(tf.distribute.InputContext())

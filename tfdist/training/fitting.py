@@ -166,9 +166,10 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
                             "or pass batch_size= (the global batch, examples per step over all replicas).")
         if steps_per_epoch is None:
             cardinality = int(x.cardinality())
-            if cardinality < 0:
-                raise _fail("The training dataset is infinite or of unknown length; pass steps_per_epoch=.")
-            steps_per_epoch = cardinality if static == batch_size else max(0, cardinality - 1)
+            if cardinality < 0 or static is None:
+                raise _fail("The training dataset is infinite, of unknown length, or its batches have no fixed "
+                            "size (batch with drop_remainder=True); pass steps_per_epoch=.")
+            steps_per_epoch = cardinality * static // int(batch_size)  # Whole global batches an epoch holds.
         return _Source("dataset", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
                        steps_per_epoch=steps_per_epoch, dataset=x, spec=spec, model=model)
     if callable(x):
@@ -201,6 +202,9 @@ def _validation(model: keras.Model, validation_data: Any, source: _Source) -> Op
         return None
     if isinstance(validation_data, tf.data.Dataset):
         _element_spec(model, validation_data, "validation_data")
+        if int(validation_data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+            raise _fail("validation_data is an infinite dataset (.repeat()?); pass a finite one: every example "
+                        "is evaluated exactly once.")
         try:
             validation_data = inputs.to_arrays(validation_data)  # Read once: evaluation is exact over arrays.
         except ValueError as e:
@@ -258,7 +262,7 @@ def _build(model: keras.Model, backend: Backend, example: tuple) -> None:
 # Plan -----------------------------------------------------------------------------
 def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, grad_accum_steps: int,
           steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
-          max_steps: Optional[int], extra: dict) -> LoopPlan:
+          max_steps: Optional[int], extra: dict, array_input: bool = False) -> LoopPlan:
     replicas = backend.num_replicas
     if batch_size < replicas:
         raise _fail(f"batch_size={batch_size} is smaller than the number of replicas ({replicas}); every replica "
@@ -269,10 +273,19 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
         raise _fail(f"batch_size={batch_size} does not divide evenly across {replicas} replica(s) x "
                     f"{grad_accum_steps} accumulation step(s); use a multiple of {unit}, e.g. {lower or upper} "
                     f"or {upper}.")
+    whole = num_train // batch_size
     if steps_per_epoch is None:
-        steps_per_epoch = num_train // batch_size
+        steps_per_epoch = whole
         if steps_per_epoch < 1:
             raise _fail(f"batch_size={batch_size} is larger than the training set ({num_train} examples).")
+    for name, value, least in (("steps_per_epoch", steps_per_epoch, 1), ("max_steps", max_steps, 1),
+                               ("steps_per_execution", steps_per_execution, 1)):
+        if value is not None and value < least:
+            raise _fail(f"{name}={value} must be {least} or more.")
+    if array_input and steps_per_epoch > whole:
+        raise _fail(f"steps_per_epoch={steps_per_epoch} needs {steps_per_epoch * batch_size} examples an epoch, but "
+                    f"the arrays hold {num_train} ({whole} whole batches of {batch_size}); use steps_per_epoch="
+                    f"{whole} or less.")
     total = steps_per_epoch * epochs
     if max_steps is not None:
         total = min(total, max_steps)
@@ -290,8 +303,12 @@ def check_resume(path: str, plan: LoopPlan) -> None:
     saved_path = os.path.join(path, PLAN_FILE)
     if not tf.io.gfile.exists(saved_path):
         return
-    with tf.io.gfile.GFile(saved_path) as f:
-        saved = json.load(f)
+    try:
+        with tf.io.gfile.GFile(saved_path) as f:
+            saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"Cannot resume the run in --workdir={path}: its {PLAN_FILE} is damaged ({e}). Start a "
+                        "new run with a new --workdir.") from None
     now = plan.resume_fields()
     changed = [f"{k} (was {saved.get(k)!r}, now {now.get(k)!r})" for k in sorted(set(saved) | set(now))
                if k != "num_replicas" and saved.get(k) != now.get(k)]
@@ -305,6 +322,7 @@ def check_resume(path: str, plan: LoopPlan) -> None:
 
 
 def plan_replicas(plan: LoopPlan) -> int:
+    """The replica count a plan was made for."""
     return plan.global_batch // plan.per_replica_batch
 
 
@@ -362,9 +380,11 @@ def fit(
     plan = _plan(backend, num_train=source.num_examples, batch_size=int(batch_size), epochs=epochs,
                  grad_accum_steps=grad_accum_steps, steps_per_execution=steps_per_execution,
                  steps_per_epoch=source.steps_per_epoch, seed=seed, max_steps=max_steps,
-                 extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {})})
+                 extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {})},
+                 array_input=source.kind == "arrays")
     source.check_batches(plan)
     _build(model, backend, source.example(plan.micro_batch))
+    steps_lib.check_metrics(model, _fail)  # Compiled metrics have variables only once built.
 
     with backend.scope():
         if step_counter is None:
@@ -391,7 +411,13 @@ def fit(
                                 "--resume (resume=True) to start a new run.")
             if latest is not None:
                 check_resume(workdir, plan)
-                checkpoint.restore(latest).assert_existing_objects_matched()
+                try:
+                    checkpoint.restore(latest).assert_existing_objects_matched()
+                except (AssertionError, ValueError, tf.errors.OpError) as e:
+                    raise UserError(
+                        f"Cannot resume from {latest}: it does not hold this model and optimizer "
+                        f"({' '.join(str(e).split())[:200]}). Was the model changed? Use a new workdir, or the "
+                        "model the checkpoint was written by.") from None
                 start_step = int(step_counter.numpy())
                 logging.info("Resuming from checkpoint %s at step %d.", latest, start_step)
             manager = tf.train.CheckpointManager(checkpoint, rundir.checkpoint_dir, max_to_keep=keep_checkpoints,

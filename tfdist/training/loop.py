@@ -18,6 +18,7 @@ naming the tasks instead of hanging later.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,7 +26,7 @@ import math
 import signal
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import keras
 import numpy as np
@@ -45,10 +46,9 @@ class Preempted(Exception):
     """Raised after a SIGTERM/SIGINT stopped training and a checkpoint was saved."""
 
     def __init__(self, step: int, checkpoint: Optional[str]):
-        super().__init__(
-            f"Training was stopped by a signal at step {step}; checkpoint {checkpoint} was "
-            "saved. Run the same command with the same --workdir to resume from it."
-        )
+        saved = (f"checkpoint {checkpoint} was saved. Run the same command with the same --workdir to resume "
+                 "from it.") if checkpoint else "the chief saved the checkpoint (if the run has a workdir)."
+        super().__init__(f"Training was stopped by a signal at step {step}; {saved}")
         self.step = step
         self.checkpoint = checkpoint
 
@@ -247,7 +247,7 @@ class Controller:
         summary_totals: Optional[np.ndarray] = None
         self.callbacks.on_train_begin()
         epoch_open = False
-        with StopRequest() as stop:
+        with StopRequest() as stop, self._profiler_guard():
             while step < plan.total_steps and not self.model.stop_training:
                 epoch = step // plan.steps_per_epoch
                 if not epoch_open:
@@ -278,6 +278,8 @@ class Controller:
                 while pending:
                     num, handle = pending.popleft()
                     totals = backend.fetch(handle)
+                    if totals is None:  # The steps ran; their sums were lost with a worker.
+                        totals = np.zeros(layout.size)
                     if backend.max_in_flight > 1:  # Asynchronous workers: refill as each one finishes.
                         fill()
                     step += num
@@ -338,7 +340,6 @@ class Controller:
                     epoch_open = False
                 if at_epoch_end or (self.every and step % self.every == 0):
                     self.save_fn(step)
-            self._profiler(step, force_stop=True)
             if step == start_step and self.eval_iterator_fn is not None:
                 val_logs = self.evaluate()  # Resumed a finished run: evaluate what was restored.
         self.callbacks.on_train_end({**train_logs, **val_logs})
@@ -350,6 +351,16 @@ class Controller:
             device_step_count=None,
         )
 
+
+    @contextlib.contextmanager
+    def _profiler_guard(self) -> Iterator[None]:
+        """Stops a running profiler on every way out of the loop (errors and preemption included)."""
+        try:
+            yield
+        finally:
+            if self._profiling:
+                tf.profiler.experimental.stop()
+                self._profiling = False
 
     def _profiler(self, step: int, force_stop: bool = False) -> None:
         """Starts the TensorFlow profiler before the execution that runs step START; stops after END."""

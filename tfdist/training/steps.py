@@ -113,6 +113,11 @@ def _add_grads(a: Any, b: Any) -> Any:
     return a + b
 
 
+def _all_finite(grads: list) -> tf.Tensor:
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+
+
 def synced_state(model: keras.Model) -> list:
     """Replica-local float state that replicas must agree on (e.g. BatchNormalization statistics)."""
     found = []
@@ -180,7 +185,7 @@ class StepFunctions:
         grads = tape.gradient(scaled, variables)
         finite = tf.math.is_finite(unscaled)
         deltas = [tf.where(finite, d, tf.zeros_like(d)) for d in deltas]
-        return grads, deltas, 1.0 - tf.cast(finite, tf.float32), _batch_size(x)
+        return grads, deltas, finite, _batch_size(x)
 
     def _micro_batches(self, data: Any) -> list:
         if self.accum == 1:
@@ -194,19 +199,22 @@ class StepFunctions:
         return [tf.nest.map_structure(lambda t, i=i: t[i], stacked) for i in range(k)]
 
     def _replica_train_step(self, data: Any, stop: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
-        grads, deltas, nonfinite, examples = None, None, 0.0, 0
+        grads, deltas, examples = None, None, 0
         for micro in self._micro_batches(data):
             x, y, sample_weight = _unpack(micro)
-            g, d, n, b = self._forward_backward(x, y, sample_weight)
+            g, d, _, b = self._forward_backward(x, y, sample_weight)
             grads = g if grads is None else [_add_grads(a, c) for a, c in zip(grads, g)]
             deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
-            nonfinite += n
             examples += b
         variables = self.model.trainable_variables
         grads = self.backend.finish_gradients(grads)
+        # Whether this step's all-reduced gradients are non-finite: the same on every replica, so
+        # 1/replicas from each sums to one count per step (the loop's divergence guard counts steps).
+        nonfinite = 1.0 - tf.cast(_all_finite(grads), tf.float32)
         self.optimizer.apply(grads, variables)
         self.step_counter.assign_add(1)
-        return totals + self.layout.pack([examples, tf.minimum(nonfinite, 1.0), stop], deltas)
+        share = nonfinite / float(self.backend.num_replicas)
+        return totals + self.layout.pack([examples, share, stop], deltas)
 
     def _distributed_train_step(self, data: Any, stop: tf.Tensor, totals: Any) -> Any:
         return self.backend.run(self._replica_train_step, (data, stop, totals))
@@ -282,10 +290,14 @@ def check_model(model: keras.Model, error: Callable[[str], Exception]) -> None:
                 f"{name} cannot be honoured. Move custom loss logic into compute_loss() (which tfdist calls) "
                 "or train with your own loop.")
     del Trainer
+
+
+def check_metrics(model: keras.Model, error: Callable[[str], Exception]) -> None:
+    """Refuses metrics whose state cannot be summed across replicas (call once the model is built)."""
     for metric in model.metrics:
         for variable in metric.variables:
             if not variable.dtype.startswith("float") or variable.aggregation != "sum":
                 raise error(
-                    f"Metric {metric.name!r} keeps state ({variable.path}, {variable.dtype}, aggregation "
+                    f"Metric {variable.path.split('/')[0]!r} keeps state ({variable.path}, {variable.dtype}, aggregation "
                     f"{variable.aggregation}) that cannot be summed across replicas; tfdist.fit supports metrics "
                     "whose state is float sums (Keras' Mean-, Sum- and confusion-count-based metrics).")

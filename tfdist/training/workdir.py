@@ -4,9 +4,11 @@ Layout of ``--workdir``::
 
   config.json       the resolved configuration (repeat a run with it)
   flags.txt         the same as an absl flagfile: tfdist-train --flagfile=W/flags.txt
+  plan.json         the resolved plan a resume must match (written by tfdist.fit)
   checkpoints/      tf.train checkpoints (ckpt-STEP), newest kept
-  tensorboard/      TensorBoard summaries
+  tensorboard/      TensorBoard summaries (and profiler traces)
   model.keras       the final model
+  saved_model/      with the saved_model export: a SavedModel for serving
   metrics.json      the run's results
   .lock             only while a run is live: its host, pid and start time
 
@@ -97,7 +99,7 @@ class RunDir:
     """The workdir as seen by one process; writes only on the chief.
 
     Use it as a context manager (``with RunDir(...) as rundir:``), or call
-    `prepare` (which takes the lock) and make sure `cleanup` runs.
+    `acquire` (which takes the lock) and make sure `cleanup` runs.
     """
 
     def __init__(self, path: str, *, is_chief: bool):
