@@ -171,3 +171,14 @@ def test_profile_steps_leave_a_trace_and_summaries_follow_their_interval(tmp_pat
             if any(v.tag == "train/loss" for v in event.summary.value):
                 steps.add(event.step)
     assert steps == {10, 20, 30}
+
+
+def test_resume_compares_resolved_values_not_flags(tmp_path):
+    common = dict(strategy="mirrored", num_cpu_replicas=2, all_reduce="reduce_to_one", max_steps=4)
+    run(tmp_path, **common)
+    # --lr_scaling=linear doubles the learning rate on 2 replicas: refused, naming the resolved value.
+    with pytest.raises(UserError, match=r"learning_rate \(was 0\.003, now 0\.006\).*Restore the old setting"):
+        run(tmp_path, lr_scaling="linear", **common)
+    # On one replica the same flag resolves to the same rate: a different topology, the same plan.
+    again = run(tmp_path, lr_scaling="linear", strategy="default", max_steps=8)
+    assert (again["resumed_from_step"], again["steps"]) == (4, 8)
