@@ -362,17 +362,17 @@ class Controller:
                 tf.profiler.experimental.stop()
                 self._profiling = False
 
-    def _profiler(self, step: int, force_stop: bool = False) -> None:
+    def _profiler(self, step: int) -> None:
         """Starts the TensorFlow profiler before the execution that runs step START; stops after END."""
         if self.profile is None:
             return
         (first, last), logdir = self.profile
         covers_first = step + self.plan.steps_per_execution > first
-        if not self._profiling and covers_first and step < last and not force_stop:
+        if not self._profiling and covers_first and step < last:
             tf.profiler.experimental.start(logdir)
             self._profiling = True
             logging.info("Profiling steps %d-%d into %s.", step, last, logdir)
-        elif self._profiling and (step >= last or force_stop):
+        elif self._profiling and step >= last:
             tf.profiler.experimental.stop()
             self._profiling = False
 
