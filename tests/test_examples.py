@@ -31,14 +31,11 @@ def run(command, *, launch=(), env=None, timeout=600):
 
 @pytest.fixture(scope="module")
 def keras_history():
-    """Plain Keras model.fit on the same model, data and batch: val_accuracy after each of 5 epochs.
-
-    The rate is constant, so its first 3 epochs are those of a 3-epoch run.
-    """
+    """Plain Keras model.fit on the same model, data and batch: val_accuracy after each of 3 epochs."""
     keras.utils.set_random_seed(0)
     model = EXAMPLE.build_model()
     model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    history = model.fit(EXAMPLE.features(DIGITS.train_images), DIGITS.train_labels, batch_size=64, epochs=5,
+    history = model.fit(EXAMPLE.features(DIGITS.train_images), DIGITS.train_labels, batch_size=64, epochs=3,
                         verbose=0, validation_data=(EXAMPLE.features(DIGITS.eval_images), DIGITS.eval_labels))
     return history.history["val_accuracy"]
 
@@ -65,16 +62,14 @@ def test_dict_example_on_two_workers_ends_with_identical_weights(keras_accuracy)
     assert abs(float(found[0][1]) - keras_accuracy) <= 0.02, (found, keras_accuracy)
 
 
-def test_dict_example_parameter_server_job(keras_history):
-    # Asynchronous updates in each worker's own random order trail synchronous training and vary with
-    # the machine's load: after 5 epochs measured 0.9720 on a quiet machine against Keras' 0.9755, but
-    # 0.9110 once with three test runs sharing the two cores. The bar is therefore Keras' accuracy after
-    # 2 of the 5 epochs (0.9185): a parameter-server job that learns at all clears it; a broken one
-    # (wrong gradients, lost updates, a wrong evaluation) does not.
-    output = run([*DICT, "--epochs=5"], launch=["--num_workers=2", "--num_ps=1"])
+def test_dict_example_parameter_server_job(keras_accuracy):
+    # Asynchronous workers, each in a random order of its own; within 2 points of Keras after the
+    # same 3 epochs. Before BatchNormalization's moving statistics were updated atomically this
+    # reached only 0.90-0.94 (concurrent workers overwrote each other's updates).
+    output = run(DICT, launch=["--num_workers=2", "--num_ps=1"])
     found = summaries(output)
     assert len(found) == 1, output[-3000:]  # Only the chief runs the loop; workers and ps exit 0.
-    assert float(found[0][1]) >= keras_history[1] - 0.02, (found, keras_history)
+    assert found[0][0] == "3" and abs(float(found[0][1]) - keras_accuracy) <= 0.02, (found, keras_accuracy)
     assert "job done" in output
 
 

@@ -159,6 +159,12 @@ class Backend:
     # synchronous strategies; more where workers run them asynchronously.
     max_in_flight: int = 1
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether workers update shared variables concurrently (parameter servers): read-modify-write
+        updates of shared state must then be atomic increments, or concurrent ones are lost."""
+        return self.max_in_flight > 1
+
     def execute(self, compiled: Callable, *args: Any) -> np.ndarray:
         """Runs a compiled function in this process and returns its result on the host."""
         return np.asarray(compiled(*args))
