@@ -286,3 +286,31 @@ def test_metrics_that_cannot_be_summed_are_refused():
                   metrics=[Last()])
     bad(r"Metric 'last' keeps state .*aggregation mean\) that cannot be summed across replicas", model, X[:64],
         Y[:64], batch_size=32)
+
+
+def test_execution_k_plus_1_is_dispatched_before_k_is_fetched(monkeypatch):
+    from tfdist.distribute.backend import Backend
+
+    events = []
+    dispatch, fetch = Backend.dispatch, Backend.fetch
+
+    def recording_dispatch(self, compiled, *args):
+        handle = dispatch(self, compiled, *args)
+        events.append(("dispatch", int(args[1])))
+        return handle
+
+    def recording_fetch(self, handle):
+        result = fetch(self, handle)
+        events.append(("fetch", int(round(float(result[0])))))  # The execution's example count.
+        return result
+
+    monkeypatch.setattr(Backend, "dispatch", recording_dispatch)
+    monkeypatch.setattr(Backend, "fetch", recording_fetch)
+    strategy = tfdist.make_strategy("default", precision="float32")
+    with strategy.scope():
+        model = dense_model()
+    # 7 steps an epoch in executions of 3, 3, 1; no execution crosses the epoch end.
+    history = tfdist.fit(model, X[:448], Y[:448], batch_size=64, epochs=2, steps_per_execution=3, verbose=0)
+    epoch = [("dispatch", 3), ("dispatch", 3), ("fetch", 192), ("dispatch", 1), ("fetch", 192), ("fetch", 64)]
+    assert events == epoch + epoch
+    assert len(history.history["loss"]) == 2

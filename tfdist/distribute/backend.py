@@ -10,6 +10,7 @@ that differ, so the training loop (`tfdist.training`) never branches on the back
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 from typing import Any, Callable, Iterable, Sequence
@@ -155,26 +156,45 @@ class Backend:
         """Whether one process drives the whole job (else every worker runs the loop in lockstep)."""
         return self.num_workers == 1
 
-    # How many compiled training executions may be outstanding at once: 1 for
-    # synchronous strategies; more where workers run them asynchronously.
-    max_in_flight: int = 1
-
-    @property
-    def asynchronous(self) -> bool:
-        """Whether workers update shared variables concurrently (parameter servers): read-modify-write
-        updates of shared state must then be atomic increments, or concurrent ones are lost."""
-        return self.max_in_flight > 1
+    # How many compiled training executions may be outstanding at once: 2 for
+    # synchronous strategies (one running, the next queued behind it, so the
+    # host's work on one execution's results overlaps the next execution); more
+    # where workers run them asynchronously (parameter servers).
+    max_in_flight: int = 2
+    # Whether workers update shared variables concurrently (parameter servers):
+    # read-modify-write updates of shared state must then be atomic increments.
+    asynchronous: bool = False
+    _runner: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def execute(self, compiled: Callable, *args: Any) -> np.ndarray:
         """Runs a compiled function in this process and returns its result on the host."""
         return np.asarray(compiled(*args))
 
     def dispatch(self, compiled: Callable, *args: Any) -> Any:
-        """Starts one training execution; `fetch` returns its result."""
-        return self.execute(compiled, *args)
+        """Queues one training execution behind those already dispatched; `fetch` returns its result.
+
+        Executions run in order on one thread of their own (under this backend's
+        scope), so the caller can dispatch execution k+1 before it fetches k and
+        works on k's results while k+1 runs.
+        """
+        if self._runner is None:
+            self._runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfdist-steps")
+        return self._runner.submit(self._call_in_scope, compiled, args)
+
+    def _call_in_scope(self, compiled: Callable, args: tuple) -> np.ndarray:
+        with self.scope():  # The strategy scope is per thread; Keras reads it while tracing.
+            return self.execute(compiled, *args)
 
     def fetch(self, handle: Any) -> np.ndarray:
-        return handle
+        """Waits for a dispatched execution; returns its result (re-raising its error)."""
+        return handle.result()
+
+    def abandon(self, handle: Any) -> None:
+        """Waits for a dispatched execution whose result is no longer wanted (the loop is failing)."""
+        try:
+            handle.result()
+        except Exception:  # The loop is already failing with the error that matters.
+            pass
 
     # Evaluation goes through these; backends whose workers cannot evaluate an
     # exact split (parameter servers) evaluate in the coordinating process.
@@ -218,3 +238,6 @@ class Backend:
 
     def shutdown(self) -> None:
         """Releases cluster resources at the end of a run."""
+        if self._runner is not None:
+            self._runner.shutdown(wait=True)
+            self._runner = None

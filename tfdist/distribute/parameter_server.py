@@ -111,7 +111,7 @@ class ParameterServerBackend(Backend):
 
     def __init__(self, strategy: Any, info: ClusterInfo):
         super().__init__("parameter_server", strategy, "cpu", cluster=info, sharded_input=False,
-                         max_in_flight=4 * len(info.cluster["worker"]),
+                         max_in_flight=4 * len(info.cluster["worker"]), asynchronous=True,
                          description=f"ParameterServerStrategy: chief, {len(info.cluster['worker'])} worker(s), "
                                      f"{info.num_ps} ps task(s)")
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
@@ -146,6 +146,9 @@ class ParameterServerBackend(Backend):
             logging.warning("A worker died holding the loss/accuracy of steps it had finished; those steps "
                             "count, their metrics are left out of this epoch's averages.")
             return None
+
+    def abandon(self, handle: Any) -> None:
+        """Scheduled functions finish on the workers; the chief does not wait for them."""
 
     def distribute_eval_dataset(self, dataset_fn: Callable) -> Iterable:
         return dataset_fn(tf.distribute.InputContext())

@@ -121,17 +121,19 @@ class Progress:
     bar: Optional[keras.utils.Progbar] = None
     last_logged: int = -1
 
-    def update(self, epoch: int, step_in_epoch: int, logs: dict[str, float]) -> None:
+    def update(self, epoch: int, step_in_epoch: int, totals: np.ndarray, layout: Any) -> None:
+        """Shows the epoch's running logs (computed from `totals` only when something is shown)."""
         if not self.enabled:
             return
         if sys.stdout.isatty():
+            logs = layout.results(totals)
             if self.bar is None or step_in_epoch <= 0:
                 self.bar = keras.utils.Progbar(self.steps_per_epoch, stateful_metrics=list(logs))
             self.bar.update(step_in_epoch, list(logs.items()))
             return
         quarter = max(1, self.steps_per_epoch // 4)
         if step_in_epoch // quarter != self.last_logged // quarter or step_in_epoch == self.steps_per_epoch:
-            shown = " ".join(f"{k}={v:.4f}" for k, v in logs.items())
+            shown = " ".join(f"{k}={v:.4f}" for k, v in layout.results(totals).items())
             logging.info("epoch %d: step %d/%d %s", epoch + 1, step_in_epoch, self.steps_per_epoch, shown)
         self.last_logged = step_in_epoch
 
@@ -245,6 +247,7 @@ class Controller:
         val_logs: dict[str, float] = {}
         nonfinite_run = 0
         summary_totals: Optional[np.ndarray] = None
+        last_totals: Optional[np.ndarray] = None
         self.callbacks.on_train_begin()
         epoch_open = False
         with StopRequest() as stop, self._profiler_guard():
@@ -256,59 +259,67 @@ class Controller:
                 boundary = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
                 if self.every:
                     boundary = min(boundary, (step // self.every + 1) * self.every)
-                self._profiler(step)
                 t0 = time.perf_counter()
                 pending: collections.deque = collections.deque()
                 dispatched = step
 
                 def fill() -> None:
-                    # Keep up to max_in_flight executions outstanding (1 for synchronous strategies;
-                    # parameter-server workers get a new one as each finishes), never past the boundary.
+                    # Keep up to max_in_flight executions outstanding, never past the boundary:
+                    # for synchronous strategies execution k+1 is dispatched before k's results
+                    # are fetched (on every worker alike, so collectives stay matched), and
+                    # parameter-server workers get a new one as each finishes.
                     nonlocal dispatched
                     while dispatched < boundary and len(pending) < backend.max_in_flight:
                         if backend.single_controller and stop.requested:
                             return
                         num = min(plan.steps_per_execution, boundary - dispatched)
+                        self._profile_start(dispatched)
                         pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
                                                               tf.constant(1.0 if stop.requested else 0.0))))
                         dispatched += num
 
                 fill()
                 segment_examples, agreed_stop = 0, False
-                while pending:
-                    num, handle = pending.popleft()
-                    totals = backend.fetch(handle)
-                    if totals is None:  # The steps ran; their sums were lost with a worker.
-                        totals = np.zeros(layout.size)
-                    if backend.max_in_flight > 1:  # Asynchronous workers: refill as each one finishes.
-                        fill()
-                    step += num
-                    segment_examples += num * plan.global_batch
-                    agreed_stop = agreed_stop or totals[2] > 0
-                    nonfinite = int(round(float(totals[1])))
-                    if nonfinite and not self.loss_scaling:
-                        raise self.error(
-                            f"The training loss became non-finite (NaN or inf) in {nonfinite} of the steps up to "
-                            f"step {step}; lower the learning rate (or add warm-up). No checkpoint was written for "
-                            "these steps.")
-                    nonfinite_run = nonfinite_run + nonfinite if nonfinite == num else 0
-                    if nonfinite_run >= MAX_NONFINITE_STEPS:
-                        raise self.error(
-                            f"The training loss stayed non-finite for {nonfinite_run} consecutive steps up to step "
-                            f"{step} although loss scaling skipped them and lowered the scale each time: training "
-                            "diverged. Lower the learning rate (or add warm-up). No checkpoint was written for "
-                            "these steps.")
-                    epoch_totals += totals
-                    summary_totals = totals if summary_totals is None else summary_totals + totals
-                    chunk_logs = layout.results(totals)
-                    if "loss" in chunk_logs and math.isfinite(chunk_logs["loss"]):
-                        last_loss = chunk_logs["loss"]
-                        first_loss = last_loss if first_loss is None else first_loss
-                    if not self.summary_every or step // self.summary_every != (step - num) // self.summary_every:
-                        for name, value in layout.results(summary_totals).items():
-                            tf.summary.scalar(f"train/{name}", value, step=step)
-                        summary_totals = None
-                    self.progress.update(epoch, step - epoch * plan.steps_per_epoch, layout.results(epoch_totals))
+                try:
+                    while pending:
+                        num, handle = pending.popleft()
+                        totals = backend.fetch(handle)
+                        if totals is None:  # The steps ran; their sums were lost with a worker.
+                            totals = np.zeros(layout.size)
+                        step += num
+                        segment_examples += num * plan.global_batch
+                        # Multi-worker jobs agree through the stop flag that travelled with the
+                        # execution's reduction: no worker dispatches more once it is seen.
+                        agreed_stop = agreed_stop or totals[2] > 0
+                        if not agreed_stop:
+                            fill()  # The next execution runs while this one's results are handled.
+                        self._profile_stop(step)
+                        nonfinite = int(round(float(totals[1])))
+                        if nonfinite and not self.loss_scaling:
+                            raise self.error(
+                                f"The training loss became non-finite (NaN or inf) in {nonfinite} of the steps up to "
+                                f"step {step}; lower the learning rate (or add warm-up). No checkpoint was written "
+                                "for these steps.")
+                        nonfinite_run = nonfinite_run + nonfinite if nonfinite == num else 0
+                        if nonfinite_run >= MAX_NONFINITE_STEPS:
+                            raise self.error(
+                                f"The training loss stayed non-finite for {nonfinite_run} consecutive steps up to "
+                                f"step {step} although loss scaling skipped them and lowered the scale each time: "
+                                "training diverged. Lower the learning rate (or add warm-up). No checkpoint was "
+                                "written for these steps.")
+                        epoch_totals += totals
+                        if nonfinite < num:
+                            last_totals = totals
+                            if first_loss is None:
+                                first_loss = _loss(layout, totals)
+                        summary_totals = totals if summary_totals is None else summary_totals + totals
+                        if not self.summary_every or step // self.summary_every != (step - num) // self.summary_every:
+                            self._train_summaries(layout.results(summary_totals), step)
+                            summary_totals = None
+                        self.progress.update(epoch, step - epoch * plan.steps_per_epoch, epoch_totals, layout)
+                finally:
+                    for _, handle in pending:  # Only when failing: let dispatched executions finish.
+                        backend.abandon(handle)
                 seconds = time.perf_counter() - t0
                 epoch_seconds[epoch] = epoch_seconds.get(epoch, 0.0) + seconds
                 if first_segment:
@@ -317,12 +328,7 @@ class Controller:
                     steady_examples += segment_examples
                     steady_seconds += seconds
                 if segment_examples:
-                    learning_rate = _learning_rate(self.model.optimizer)
-                    if learning_rate is not None:
-                        tf.summary.scalar("train/learning_rate", learning_rate, step=step)
                     tf.summary.scalar("train/examples_per_sec", segment_examples / seconds, step=step)
-                # Multi-controller jobs agree through the stop flag that travelled with
-                # the execution's reduction; a single controller decides alone.
                 if agreed_stop or (backend.single_controller and stop.requested):
                     raise Preempted(step, self.save_fn(step))
                 at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps
@@ -340,6 +346,8 @@ class Controller:
                     epoch_open = False
                 if at_epoch_end or (self.every and step % self.every == 0):
                     self.save_fn(step)
+            if last_totals is not None:
+                last_loss = _loss(layout, last_totals)
             if step == start_step and self.eval_iterator_fn is not None:
                 val_logs = self.evaluate()  # Resumed a finished run: evaluate what was restored.
         self.callbacks.on_train_end({**train_logs, **val_logs})
@@ -362,19 +370,33 @@ class Controller:
                 tf.profiler.experimental.stop()
                 self._profiling = False
 
-    def _profiler(self, step: int) -> None:
-        """Starts the TensorFlow profiler before the execution that runs step START; stops after END."""
-        if self.profile is None:
+    def _train_summaries(self, logs: dict[str, float], step: int) -> None:
+        for name, value in logs.items():
+            tf.summary.scalar(f"train/{name}", value, step=step)
+        learning_rate = _learning_rate(self.model.optimizer)  # Read while the next execution may run.
+        if learning_rate is not None:
+            tf.summary.scalar("train/learning_rate", learning_rate, step=step)
+
+    def _profile_start(self, first_step: int) -> None:
+        """Starts the TensorFlow profiler before dispatching the execution that runs step START."""
+        if self.profile is None or self._profiling:
             return
         (first, last), logdir = self.profile
-        covers_first = step + self.plan.steps_per_execution > first
-        if not self._profiling and covers_first and step < last:
+        if first_step + self.plan.steps_per_execution > first and first_step < last:
             tf.profiler.experimental.start(logdir)
             self._profiling = True
-            logging.info("Profiling steps %d-%d into %s.", step, last, logdir)
-        elif self._profiling and step >= last:
+            logging.info("Profiling steps %d-%d into %s.", first_step, last, logdir)
+
+    def _profile_stop(self, step: int) -> None:
+        """Stops it once the execution that ran step END has finished."""
+        if self._profiling and step >= self.profile[0][1]:
             tf.profiler.experimental.stop()
             self._profiling = False
+
+
+def _loss(layout: Any, totals: np.ndarray) -> Optional[float]:
+    loss = layout.results(totals).get("loss")
+    return loss if loss is not None and math.isfinite(loss) else None
 
 
 def _learning_rate(optimizer: Any) -> Optional[float]:
