@@ -22,11 +22,14 @@ CPU rows (pinned to the CPU with CUDA_VISIBLE_DEVICES="" on a GPU machine):
   jit        --jit_compile=true (XLA) vs false.
   mwms       MultiWorkerMirroredStrategy, 2 workers over loopback (tfdist-launch) vs 1 worker, same global
              batch; plus an estimate of the communication share of a 2-worker step.
-  allreduce  MWMS 2 workers, --all_reduce=ring vs auto.
+  allreduce  MWMS 2 workers: --all_reduce=ring vs auto (row allreduce), --all_reduce_dtype=bfloat16 vs
+             float32 (ar_bf16), --all_reduce_pack_mb=0.25 vs 0, TensorFlow's default (ar_pack).
   ps         ParameterServerStrategy, 1 ps + 2 workers over loopback vs 1 local worker, same global batch.
   horovod    Horovod 2 ranks (horovodrun --gloo) vs MWMS 2 workers, same global batch and TensorFlow
              (both sides run with --horovod_python, an environment with horovod, e.g. TF 2.18).
   hvd_fp16   Horovod 2 ranks, --hvd_compression=fp16 vs none (with --horovod_python).
+  hvd_cycle  Horovod 2 ranks, HOROVOD_CYCLE_TIME=0.2 (ms) vs Horovod's default (1 ms; tfdist leaves it and
+             HOROVOD_FUSION_THRESHOLD, 128 MB, at Horovod's defaults) (with --horovod_python).
   spe        a sweep: tfdist-train vs model.fit at steps_per_execution 1, 2, 5, 10, 20, 50.
 GPU rows (only where GPUs are found, or --gpus=N):
   gpu        gpu_fit (1 GPU: tfdist vs model.fit), gpu_bf16 and gpu_fp16 (vs float32), gpu_xla (XLA on vs
@@ -52,10 +55,10 @@ from typing import Callable, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPE_SWEEP = (1, 2, 5, 10, 20, 50)
-CPU_GROUPS = ("fit", "input", "bf16", "jit", "mwms", "allreduce", "ps", "horovod", "hvd_fp16", "spe")
+CPU_GROUPS = ("fit", "input", "bf16", "jit", "mwms", "allreduce", "ps", "horovod", "hvd_fp16", "hvd_cycle", "spe")
 GPU_GROUPS = ("gpu",)
 GPU_ROWS = ("gpu_fit", "gpu_bf16", "gpu_fp16", "gpu_xla", "gpu_mirrored")
-HOROVOD_GROUPS = ("horovod", "hvd_fp16")
+HOROVOD_GROUPS = ("horovod", "hvd_fp16", "hvd_cycle")
 # Targets set in the project's issue 11: ratio of the medians (A over B) a row should reach.
 TARGETS = {"fit": 1.25, "input": 0.95, "mwms": 0.80, "ps": 0.75, "horovod": 0.90}
 
@@ -78,6 +81,7 @@ class Side:
     launcher: tuple[str, ...] = ()  # ("launch", "2") | ("launch_ps", "2", "1") | ("horovodrun", "2") | ().
     python: Optional[str] = None  # Default: this script's interpreter.
     visible_gpus: str = ""  # CUDA_VISIBLE_DEVICES: "" pins a side to the CPU.
+    env: tuple[tuple[str, str], ...] = ()  # Extra environment variables for this side.
 
     def command(self, workdir: str) -> list[str]:
         python = self.python or sys.executable
@@ -170,6 +174,16 @@ def _cpu_rows(group: str, s: Settings) -> list[Row]:
                                   _tfdist("ring", "--all_reduce=ring", settings=s, strategy=mwms,
                                           launcher=("launch", "2")),
                                   _tfdist("auto", "--all_reduce=auto", settings=s, strategy=mwms,
+                                          launcher=("launch", "2"))),
+                              Row("ar_bf16", "allreduce", "MWMS 2 workers: bfloat16 all-reduce vs float32",
+                                  _tfdist("bfloat16", "--all_reduce_dtype=bfloat16", settings=s, strategy=mwms,
+                                          launcher=("launch", "2")),
+                                  _tfdist("float32", "--all_reduce_dtype=float32", settings=s, strategy=mwms,
+                                          launcher=("launch", "2"))),
+                              Row("ar_pack", "allreduce", "MWMS 2 workers: gradients packed by 0.25 MB vs TF default",
+                                  _tfdist("0.25 MB packs", "--all_reduce_pack_mb=0.25", settings=s, strategy=mwms,
+                                          launcher=("launch", "2")),
+                                  _tfdist("default", "--all_reduce_pack_mb=0", settings=s, strategy=mwms,
                                           launcher=("launch", "2")))],
         "ps": lambda: [Row("ps", "ps", "1 ps + 2 workers vs 1 local worker, same global batch",
                            _tfdist("1 ps + 2 workers", settings=s, strategy="parameter_server",
@@ -185,6 +199,11 @@ def _cpu_rows(group: str, s: Settings) -> list[Row]:
                                          launcher=("horovodrun", "2"), **hvd),
                                  _tfdist("none", "--hvd_compression=none", settings=s, strategy="horovod",
                                          launcher=("horovodrun", "2"), **hvd))],
+        "hvd_cycle": lambda: [Row("hvd_cycle", "hvd_cycle", "Horovod 2 ranks: HOROVOD_CYCLE_TIME 0.2 ms vs default",
+                                  _tfdist("0.2 ms", settings=s, strategy="horovod", launcher=("horovodrun", "2"),
+                                          env=(("HOROVOD_CYCLE_TIME", "0.2"),), **hvd),
+                                  _tfdist("default (1 ms)", settings=s, strategy="horovod",
+                                          launcher=("horovodrun", "2"), **hvd))],
         "spe": lambda: [Row(f"spe{n}", "spe", f"tfdist-train vs model.fit at steps_per_execution={n}",
                             _tfdist("tfdist-train", settings=s, spe=n), _keras("model.fit", settings=s, spe=n),
                             spe=n) for n in SPE_SWEEP],
@@ -323,6 +342,9 @@ def _env(side: Side) -> dict:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["CUDA_VISIBLE_DEVICES"] = side.visible_gpus
     env.pop("TF_CONFIG", None)
+    for name in ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD"):  # Only where a row sets them.
+        env.pop(name, None)
+    env.update(dict(side.env))
     return env
 
 
@@ -349,7 +371,7 @@ def _summary(side: Side, runs: list[dict]) -> dict:
     throughput = [steady_throughput(m) for m in runs]
     return {
         "label": side.label,
-        "command": " ".join(side.command("WORKDIR")),
+        "command": " ".join([*(f"{k}={v}" for k, v in side.env), *side.command("WORKDIR")]),
         "cuda_visible_devices": side.visible_gpus,
         "examples_per_sec": [round(x, 1) for x in throughput],
         "median": round(statistics.median(throughput), 1),

@@ -28,7 +28,7 @@ def bench():
         sys.modules.pop("benchmark", None)
 
 
-CPU_ROWS = ["fit", "input", "bf16", "jit", "mwms", "allreduce", "ps", "spe1", "spe2", "spe5", "spe10", "spe20",
+CPU_ROWS = ["fit", "input", "bf16", "jit", "mwms", "allreduce", "ar_bf16", "ar_pack", "ps", "spe1", "spe2", "spe5", "spe10", "spe20",
             "spe50"]
 
 
@@ -132,3 +132,21 @@ def test_missing_matplotlib_is_one_clear_paragraph(bench, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(SystemExit, match=r"pip install 'tfdist\[bench\]'.*--no_chart"):
         bench.main(["--rows=input", "--gpus=0"])
+
+
+def test_communication_rows_change_one_setting_and_pass_horovod_env_only_to_their_side(bench):
+    rows = {r.name: r for r in bench.select_rows(["allreduce", "hvd_cycle"], gpus=0,
+                                                 settings=bench.Settings(horovod_python="/opt/hvd/bin/python"))}
+    assert list(rows) == ["allreduce", "ar_bf16", "ar_pack", "hvd_cycle"]
+    for name, flag in (("ar_bf16", "--all_reduce_dtype="), ("ar_pack", "--all_reduce_pack_mb=")):
+        a, b = rows[name].a.flags, rows[name].b.flags
+        assert [f for f in a if not f.startswith(flag)] == [f for f in b if not f.startswith(flag)]
+        assert a != b
+    cycle = rows["hvd_cycle"]
+    assert cycle.a.flags == cycle.b.flags
+    assert bench._env(cycle.a)["HOROVOD_CYCLE_TIME"] == "0.2"
+    os.environ["HOROVOD_CYCLE_TIME"] = "9"  # Set by the caller: must not leak into the default side.
+    try:
+        assert "HOROVOD_CYCLE_TIME" not in bench._env(cycle.b)
+    finally:
+        del os.environ["HOROVOD_CYCLE_TIME"]
