@@ -2,7 +2,8 @@
 
 Everything that decides a step's cost is set as tfdist-train sets it, so the
 two are compared like with like: the same model (tfdist.mnist.model.build_cnn, seed
-0), the same bundled digits (whole batches only), the same batch, precision
+0), the same digits (the bundled ones by default; whole batches only; a tfds:NAME
+train split as the same stream tfdist-train reads), the same batch, precision
 and XLA setting, Adam with the same learning rate and schedule
 (tfdist.mnist.batching.WarmupCosine: cosine decay to 0 over the run, or constant),
 and the same ``steps_per_execution`` (tfdist's default is 10; Keras' is 1).
@@ -45,9 +46,10 @@ def main() -> None:
     parser.add_argument("--lr_schedule", choices=("cosine", "constant"), default="cosine")
     parser.add_argument("--jit_compile", choices=("auto", "true", "false"), default="auto")
     parser.add_argument("--dataset", default="mnist")
+    parser.add_argument("--data_dir", default=None, help="tensorflow-datasets data directory (tfds:NAME).")
     args = parser.parse_args()
     keras.mixed_precision.set_dtype_policy(args.precision)
-    digits = data.load_dataset(args.dataset)
+    digits = data.load_dataset(args.dataset, data_dir=args.data_dir)
     steps = digits.num_train // args.batch_size
     n = steps * args.batch_size  # Whole batches only, as tfdist trains.
     schedule = batching.WarmupCosine(args.learning_rate, 0, steps * args.epochs if args.lr_schedule == "cosine"
@@ -58,8 +60,14 @@ def main() -> None:
                 steps_per_execution=args.steps_per_execution,
                 jit_compile={"auto": "auto", "true": True, "false": False}[args.jit_compile])
     timer = EpochTimer()
-    net.fit(digits.train_images[:n], digits.train_labels[:n], batch_size=args.batch_size, epochs=args.epochs,
-            shuffle=True, callbacks=[timer], verbose=0)
+    if digits.train_stream is not None:  # tfds:NAME: the same stream of whole batches tfdist-train reads.
+        import tensorflow as tf
+
+        stream = digits.train_stream.dataset_fn(args.batch_size, seed=0)(tf.distribute.InputContext())
+        net.fit(stream.repeat(), steps_per_epoch=steps, epochs=args.epochs, callbacks=[timer], verbose=0)
+    else:
+        net.fit(digits.train_images[:n], digits.train_labels[:n], batch_size=args.batch_size, epochs=args.epochs,
+                shuffle=True, callbacks=[timer], verbose=0)
     _, accuracy = net.evaluate(digits.eval_images, digits.eval_labels, verbose=0)
     import tensorflow as tf
 

@@ -1,4 +1,4 @@
-"""Shared test set-up: four logical CPU devices, float32 policy, subprocess helpers.
+"""Shared test set-up: four logical CPU devices, float32 policy, subprocess helpers, a prepared tfds dataset.
 
 TensorFlow can split the CPU into logical devices only before it initialises,
 so it is done here, once, before any test imports tfdist's training code.
@@ -31,6 +31,14 @@ def _float32_policy():
     keras.mixed_precision.set_dtype_policy("float32")
     yield
     keras.mixed_precision.set_dtype_policy("float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_digits_dir(tmp_path_factory) -> str:
+    """A tfds data_dir holding the prepared `tiny_digits` dataset (tests/tiny_digits.py), made once per session."""
+    from tests import tiny_digits  # Imports tensorflow-datasets: only the tests that use it pay for it.
+
+    return tiny_digits.prepare(str(tmp_path_factory.mktemp("tfds")))
 
 
 def free_port() -> int:

@@ -3,10 +3,11 @@
 `train_and_evaluate(config)` builds the backend the config names, chooses the
 precision, builds and compiles the CNN (Adam with warm-up and cosine decay)
 under the strategy's scope, and trains it with `tfdist.fit` on the digits of
-``--dataset``. It adds what `tfdist-train` promises on top of `fit`: the
-resolved configuration and flagfile in the workdir, ``model.keras`` and
-``metrics.json`` with the run's figures, and the weights fingerprint every
-worker prints.
+``--dataset``: arrays, or for ``tfds:NAME`` a dataset function that streams the
+train split from its files (`data.Stream`). It adds what `tfdist-train`
+promises on top of `fit`: the resolved configuration and flagfile in the
+workdir, ``model.keras`` and ``metrics.json`` with the run's figures, and the
+weights fingerprint every worker prints.
 """
 
 from __future__ import annotations
@@ -92,7 +93,14 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
            choice: precision.PrecisionChoice, rundir: workdir_lib.RunDir, start: float) -> dict[str, Any]:
     model, step = _compile(config, plan, backend)
     report: dict[str, Any] = {}
-    fit(model, digits.train_images, digits.train_labels, batch_size=plan.global_batch, epochs=config.epochs,
+    if digits.train_stream is not None:  # Read from files by each input pipeline: fit's dataset-function path.
+        # Parameter-server workers take steps as they become free: each reads in an unseeded order of its own.
+        seed = config.seed if backend.sharded_input else None
+        x, y = digits.train_stream.dataset_fn(plan.global_batch, seed=seed), None
+        steps_per_epoch: Optional[int] = plan.steps_per_epoch
+    else:
+        x, y, steps_per_epoch = digits.train_images, digits.train_labels, None
+    fit(model, x, y, batch_size=plan.global_batch, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
         validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,
         steps_per_execution=plan.steps_per_execution, grad_accum_steps=plan.grad_accum_steps, seed=config.seed,
         max_steps=config.max_steps, checkpoint_every_steps=config.checkpoint_every_steps,
@@ -114,6 +122,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         "precision": choice.policy,
         "precision_reason": choice.reason,
         "dataset": digits.name,
+        "train_input": "streamed" if digits.train_stream is not None else "arrays",
         "global_batch_size": plan.global_batch,
         "per_replica_batch_size": plan.per_replica_batch,
         "grad_accum_steps": plan.grad_accum_steps,
