@@ -75,6 +75,52 @@ def test_replicas_and_accumulation_give_the_same_sgd_update():
     assert max(float(np.max(np.abs(a - s))) for a, s in zip(one, start)) > 1e-2
 
 
+class AddsLoss(keras.layers.Layer):
+    """A layer that calls add_loss, as custom layers do."""
+
+    def call(self, inputs):
+        self.add_loss(0.2 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def regularised_model():
+    init = keras.initializers.GlorotUniform
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(32, activation="relu", kernel_initializer=init(0),
+                                                 activity_regularizer=keras.regularizers.L2(0.05),
+                                                 kernel_regularizer=keras.regularizers.L2(1e-3)),
+                              AddsLoss(), keras.layers.Dense(10, kernel_initializer=init(1))])
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_activity_regularisers_and_add_loss_count_as_in_keras():
+    # One full-batch SGD step, so the order of examples cannot matter.
+    x, y = X[:256], Y[:256]
+    reference = regularised_model()
+    cross_entropy = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, reference(x)))
+    expected = reference.fit(x, y, batch_size=256, epochs=1, shuffle=False, verbose=0,
+                             validation_data=(x, y)).history
+    assert expected["loss"][0] - cross_entropy > 0.05  # The extra terms matter, so dropping them shows.
+    runs = (("default", {}, False), ("mirrored", {"num_cpu_replicas": 2, **MIRRORED}, False),
+            ("default", {}, True))  # Last: the parameter-server forward path (asynchronous), in this process.
+    for name, options, asynchronous in runs:
+        strategy = tfdist.make_strategy(name, precision="float32", **options)
+        backend = strategies.backend_of(strategy)
+        with strategy.scope():
+            model = regularised_model()
+        backend.asynchronous = asynchronous
+        try:
+            history = tfdist.fit(model, x, y, batch_size=256, epochs=1, verbose=0, validation_data=(x, y)).history
+        finally:
+            backend.asynchronous = False
+        for key in ("loss", "val_loss"):
+            assert abs(history[key][0] - expected[key][0]) < 1e-4, (name, asynchronous, key, history, expected)
+        for a, b in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_dict_model_matches_keras_fit_and_reports_keras_keys():
     features = EXAMPLE.features
     train_x, val_x = features(DIGITS.train_images), features(DIGITS.eval_images)

@@ -1,8 +1,9 @@
 """tfdist.training.loop: what the outer loop guarantees across real worker processes.
 
 Workers that disagree fail fast with a message naming them; SIGTERM to one
-worker stops every worker at the same step; a float16 overflow on one worker is
-skipped by all of them.
+worker stops every worker at the same step; a worker whose execution fails
+exits, so the job ends, although its next execution was already dispatched; a
+float16 overflow on one worker is skipped by all of them.
 """
 
 import re
@@ -66,6 +67,15 @@ def test_sigterm_to_one_worker_stops_both_at_the_same_step(tmp_path):
     assert job.wait(timeout=180) == 143, job.output[-4000:]
     steps = re.findall(r"^\[(worker:\d)\] .*stopped by a signal at step (\d+)", job.output, re.M)
     assert {w for w, _ in steps} == {"worker:0", "worker:1"} and len({s for _, s in steps}) == 1, job.output[-4000:]
+
+
+def test_a_worker_whose_input_fails_ends_the_job():
+    result = launch([sys.executable, "tests/programs/worker_fails.py"], timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "corrupt record in shard 1" in output, output[-3000:]
+    assert "tfdist-launch: worker:1 exited with status 1; stopping the other tasks." in output, output[-3000:]
+    assert "trained" not in result.stdout
 
 
 def test_float16_overflow_on_one_worker_is_skipped_by_both():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import queue
+import threading
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -49,6 +51,43 @@ def decompress(grads: list[Any], like: list[Any]) -> list[Any]:
         return tf.cast(g, ref.dtype)
 
     return [cast(g, r) for g, r in zip(grads, like)]
+
+
+class Runner:
+    """Runs submitted calls in order on one daemon thread; `submit` returns a `concurrent.futures.Future`.
+
+    A daemon thread, unlike `concurrent.futures.ThreadPoolExecutor`'s, never
+    holds the process open: a worker whose execution failed exits (so the job
+    fails) even while the execution queued behind it waits in a collective whose
+    partners will never come.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="tfdist-steps", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # Delivered to whoever fetches it.
+                future.set_exception(e)
+
+    def close(self) -> None:
+        """Ends the thread once the calls already submitted are done (or cancelled); does not wait."""
+        self._queue.put(None)
 
 
 @dataclasses.dataclass
@@ -178,7 +217,7 @@ class Backend:
         works on k's results while k+1 runs.
         """
         if self._runner is None:
-            self._runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfdist-steps")
+            self._runner = Runner()
         return self._runner.submit(self._call_in_scope, compiled, args)
 
     def _call_in_scope(self, compiled: Callable, args: tuple) -> np.ndarray:
@@ -189,8 +228,18 @@ class Backend:
         """Waits for a dispatched execution; returns its result (re-raising its error)."""
         return handle.result()
 
-    def abandon(self, handle: Any) -> None:
-        """Waits for a dispatched execution whose result is no longer wanted (the loop is failing)."""
+    def abandon(self, handle: Any, wait: bool) -> None:
+        """Gives up a dispatched execution whose result is no longer wanted (the loop is failing).
+
+        With `wait` (every worker fails alike, e.g. on a non-finite loss) it waits
+        for the execution to finish, so the model is not changed after the error
+        reaches the caller. Without it (an execution failed here, perhaps here
+        only, or a second Ctrl-C) it cancels the execution if it has not started
+        and does not wait: one that has may wait forever in a collective.
+        """
+        if not wait:
+            handle.cancel()
+            return
         try:
             handle.result()
         except Exception:  # The loop is already failing with the error that matters.
@@ -239,5 +288,5 @@ class Backend:
     def shutdown(self) -> None:
         """Releases cluster resources at the end of a run."""
         if self._runner is not None:
-            self._runner.shutdown(wait=True)
+            self._runner.close()
             self._runner = None

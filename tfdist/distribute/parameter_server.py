@@ -147,7 +147,7 @@ class ParameterServerBackend(Backend):
                             "count, their metrics are left out of this epoch's averages.")
             return None
 
-    def abandon(self, handle: Any) -> None:
+    def abandon(self, handle: Any, wait: bool) -> None:
         """Scheduled functions finish on the workers; the chief does not wait for them."""
 
     def distribute_eval_dataset(self, dataset_fn: Callable) -> Iterable:

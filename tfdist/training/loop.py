@@ -2,9 +2,9 @@
 
 `Controller` (after Orbit's Controller) drives `tfdist.training.steps.StepFunctions`
 through whole epochs. It knows nothing about the model: it schedules
-executions of at most ``steps_per_execution`` steps (several in flight where
-the backend runs them asynchronously), never past an epoch or checkpoint
-boundary; guards against non-finite losses; writes TensorBoard scalars and
+executions of at most ``steps_per_execution`` steps, never past an epoch or
+checkpoint boundary, dispatching the next before fetching the last (several
+in flight where the backend runs them asynchronously); guards against non-finite losses; writes TensorBoard scalars and
 progress; evaluates at each epoch end; calls Keras callbacks with Keras'
 log names; checkpoints (chief only, through `tfdist.training.workdir.RunDir`); and turns
 SIGTERM/SIGINT into a checkpoint and `Preempted`.
@@ -25,6 +25,7 @@ import json
 import math
 import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -54,10 +55,16 @@ class Preempted(Exception):
 
 
 class StopRequest:
-    """Turns SIGTERM/SIGINT into a flag the loop checks between executions."""
+    """Turns SIGTERM/SIGINT into a flag the loop checks between executions.
 
-    def __init__(self) -> None:
+    With a `flag` variable (multi-worker jobs) the request is also written
+    there, where the running execution's next step reads it: the request then
+    travels with that execution's reduction to every worker.
+    """
+
+    def __init__(self, flag: Optional[tf.Variable] = None) -> None:
         self.requested = False
+        self.flag = flag
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopRequest":
@@ -73,6 +80,8 @@ class StopRequest:
             raise KeyboardInterrupt
         logging.warning("Received signal %d: saving a checkpoint and stopping.", signum)
         self.requested = True
+        if self.flag is not None:
+            self.flag.assign(1.0)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -250,7 +259,10 @@ class Controller:
         last_totals: Optional[np.ndarray] = None
         self.callbacks.on_train_begin()
         epoch_open = False
-        with StopRequest() as stop, self._profiler_guard():
+        # Single-controller runs stop dispatching at once; the workers of a multi-worker job
+        # agree on the stop through a flag each step reads, summed in the execution's reduction.
+        flag = None if backend.single_controller else host_variable(0.0, "tfdist_stop")
+        with StopRequest(flag) as stop, self._profiler_guard():
             while step < plan.total_steps and not self.model.stop_training:
                 epoch = step // plan.steps_per_epoch
                 if not epoch_open:
@@ -275,15 +287,17 @@ class Controller:
                         num = min(plan.steps_per_execution, boundary - dispatched)
                         self._profile_start(dispatched)
                         pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
-                                                              tf.constant(1.0 if stop.requested else 0.0))))
+                                                              flag if flag is not None else tf.constant(0.0))))
                         dispatched += num
 
-                fill()
-                segment_examples, agreed_stop = 0, False
+                segment_examples, agreed_stop, fetching = 0, False, False
                 try:
+                    fill()
                     while pending:
                         num, handle = pending.popleft()
+                        fetching = True
                         totals = backend.fetch(handle)
+                        fetching = False
                         if totals is None:  # The steps ran; their sums were lost with a worker.
                             totals = np.zeros(layout.size)
                         step += num
@@ -291,9 +305,9 @@ class Controller:
                         # Multi-worker jobs agree through the stop flag that travelled with the
                         # execution's reduction: no worker dispatches more once it is seen.
                         agreed_stop = agreed_stop or totals[2] > 0
+                        self._profile_stop(step)
                         if not agreed_stop:
                             fill()  # The next execution runs while this one's results are handled.
-                        self._profile_stop(step)
                         nonfinite = int(round(float(totals[1])))
                         if nonfinite and not self.loss_scaling:
                             raise self.error(
@@ -317,9 +331,14 @@ class Controller:
                             self._train_summaries(layout.results(summary_totals), step)
                             summary_totals = None
                         self.progress.update(epoch, step - epoch * plan.steps_per_epoch, epoch_totals, layout)
-                finally:
-                    for _, handle in pending:  # Only when failing: let dispatched executions finish.
-                        backend.abandon(handle)
+                except BaseException as error:
+                    # An error every worker raises alike (a non-finite loss) lets the executions
+                    # already dispatched finish; an execution that failed here (perhaps here only),
+                    # or a second Ctrl-C, does not wait for them: they may never finish.
+                    wait = isinstance(error, Exception) and not fetching
+                    for _, handle in pending:
+                        backend.abandon(handle, wait=wait)
+                    raise
                 seconds = time.perf_counter() - t0
                 epoch_seconds[epoch] = epoch_seconds.get(epoch, 0.0) + seconds
                 if first_segment:
@@ -392,6 +411,20 @@ class Controller:
         if self._profiling and step >= self.profile[0][1]:
             tf.profiler.experimental.stop()
             self._profiling = False
+
+
+def host_variable(value: float, name: str) -> tf.Variable:
+    """A float32 variable on this host, outside any distribution strategy.
+
+    Strategy scopes are per thread, so it is created on a thread of its own:
+    even inside a caller's ``strategy.scope()`` it is a plain variable, not a
+    mirrored one whose creation would be a collective.
+    """
+    made: list = []
+    creator = threading.Thread(target=lambda: made.append(tf.Variable(value, trainable=False, name=name)))
+    creator.start()
+    creator.join()
+    return made[0]
 
 
 def _loss(layout: Any, totals: np.ndarray) -> Optional[float]:

@@ -28,7 +28,8 @@ written back as atomic increments instead, so concurrent steps lose no update.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -126,7 +127,7 @@ def atomic_counters(optimizer: Any) -> None:
     Keras increments ``iterations`` as ``assign(iterations + 1)`` (a read, then a
     write): two parameter-server workers stepping at once lose one increment, and
     learning-rate schedules and Adam's bias correction then run behind (measured:
-    226 of 300 steps counted with 2 workers). An atomic ``assign_add`` counts all.
+    228 of 300 steps counted with 2 workers). An atomic ``assign_add`` counts all.
     """
     for opt in _optimizers(optimizer):
         counter = opt.iterations
@@ -137,12 +138,36 @@ class _RecordingScope(StatelessScope):
     """A `StatelessScope` that remembers which variables the forward pass updated."""
 
     def __init__(self, state_mapping: list):
-        super().__init__(state_mapping=state_mapping)
+        super().__init__(state_mapping=state_mapping, collect_losses=True)
         self.updated: dict[int, Any] = {}
 
     def add_update(self, update: tuple) -> None:
         super().add_update(update)
         self.updated[id(update[0])] = update[0]
+
+
+def _forward_losses(model: keras.Model) -> list:
+    """The ``add_loss`` values (activity regularisers included) of the forward pass just run, outside a scope."""
+    return [loss for layer in model._flatten_layers(include_self=True) for loss in layer._get_own_losses()]
+
+
+@contextlib.contextmanager
+def _model_losses(model: keras.Model, added: list) -> Iterator[None]:
+    """Makes ``model.losses`` inside a `StatelessScope` what Keras' own steps see.
+
+    Inside a scope Keras looks for ``add_loss`` values in the scope, where a
+    forward pass run outside it left none: without this, activity regularisers
+    and ``add_loss`` terms would silently drop out of the loss. Weight
+    regularisers are computed here, inside the scope, as Keras computes them.
+    """
+    if not added:
+        yield
+        return
+    model._losses_override = list(added) + model._get_regularization_losses()
+    try:
+        yield
+    finally:
+        model._losses_override = []
 
 
 def _atomic_state_updates(scope: _RecordingScope, before: dict) -> None:
@@ -198,14 +223,19 @@ class StepFunctions:
         self.eval_chunk = backend.compile(self._eval_chunk)
 
     # Training ---------------------------------------------------------------
-    def _tracked_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool, mask: Any = None):
-        """Runs the model's compute_loss and its metric updates; returns (loss, metric deltas)."""
+    def _tracked_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool, added: list,
+                      mask: Any = None):
+        """Runs the model's compute_loss and its metric updates; returns (loss, metric deltas).
+
+        ``added`` holds the forward pass's ``add_loss`` values (`_forward_losses`).
+        """
         model, layout = self.model, self.layout
         zeros = layout.zeros()
         # Metric state starts from zero (its deltas are what is collected); model
         # weights read as themselves (regularisers read them inside the scope).
         weights = [(v, v.value) for v in model.variables]
-        with StatelessScope(state_mapping=weights + list(zip(layout.variables, zeros))) as scope:
+        with StatelessScope(state_mapping=weights + list(zip(layout.variables, zeros))) as scope, \
+                _model_losses(model, added):
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
             unscaled = tf.cast(loss, tf.float32) * float(_keras_replicas())
             yield_loss = loss
@@ -231,9 +261,11 @@ class StepFunctions:
                 state = {id(v): value for v, value in mapping}
                 with _RecordingScope(mapping) as forward:
                     y_pred = model(x, training=True)
+                added = list(forward.losses)
             else:
                 y_pred = model(x, training=True)
-            loss, unscaled, deltas = self._tracked_loss(x, y, y_pred, sample_weight, training=True)
+                added = _forward_losses(model)
+            loss, unscaled, deltas = self._tracked_loss(x, y, y_pred, sample_weight, training=True, added=added)
             # Keras divides by the replicas it sees; backends it cannot see (Horovod)
             # divide the rest, and accumulation averages its micro-batches.
             loss = loss / float(self.accum * self.backend.loss_divisor)
@@ -280,14 +312,16 @@ class StepFunctions:
     def _zeros(self) -> tf.Tensor:
         return tf.zeros([self.layout.size], tf.float32)
 
-    def _train_chunk(self, iterator: Any, num_steps: tf.Tensor, stop: tf.Tensor) -> tf.Tensor:
+    def _train_chunk(self, iterator: Any, num_steps: tf.Tensor, stop: Any) -> tf.Tensor:
         backend = self.backend
         totals = backend.run(self._zeros, ())
         for _ in tf.range(num_steps):
             # One step at a time: collectives of two steps in flight at once would
             # collide (Horovod names its all-reduces by graph node).
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            totals = self._train_step(next(iterator), stop, totals)
+            # Read each step: a stop requested on a worker mid-execution (a variable) travels
+            # with this execution's reduction.
+            totals = self._train_step(next(iterator), tf.convert_to_tensor(stop), totals)
         backend.sync_replica_state(self.synced)
         return backend.reduce_sum(totals)
 
@@ -314,7 +348,8 @@ class StepFunctions:
 
         def update() -> tf.Tensor:
             y_pred = self.model(x, training=False)
-            _, _, deltas = self._tracked_loss(x, y, y_pred, weight, training=False, mask=mask)
+            _, _, deltas = self._tracked_loss(x, y, y_pred, weight, training=False,
+                                              added=_forward_losses(self.model), mask=mask)
             return totals + self.layout.pack([tf.reduce_sum(mask), 0.0, 0.0], deltas)
 
         # The last eval batches of some replicas may be empty (no collectives here).
