@@ -10,6 +10,7 @@ that differ, so the training loop (`tfdist.training`) never branches on the back
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -56,16 +57,18 @@ def decompress(grads: list[Any], like: list[Any]) -> list[Any]:
 class Runner:
     """Runs submitted calls in order on one daemon thread; `submit` returns a `concurrent.futures.Future`.
 
-    A daemon thread, unlike `concurrent.futures.ThreadPoolExecutor`'s, never
-    holds the process open: a worker whose execution failed exits (so the job
-    fails) even while the execution queued behind it waits in a collective whose
-    partners will never come.
+    Unlike `concurrent.futures.ThreadPoolExecutor`, whose threads are joined at
+    exit without a limit, `close` (also run at exit) waits a bounded time: a
+    worker whose execution failed exits (so the job fails) even if the execution
+    queued behind it waits in a collective whose partners will never come.
     """
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._work, name="tfdist-steps", daemon=True)
         self._thread.start()
+        atexit.register(self.close)
 
     def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -85,9 +88,18 @@ class Runner:
             except BaseException as e:  # Delivered to whoever fetches it.
                 future.set_exception(e)
 
-    def close(self) -> None:
-        """Ends the thread once the calls already submitted are done (or cancelled); does not wait."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ends the thread once the calls already submitted are done (or cancelled).
+
+        Waits up to `timeout_s` for it: a thread still inside TensorFlow while the
+        interpreter shuts down aborts the process. One stuck longer (in a collective
+        whose partners are gone) is left behind rather than hanging the exit.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
+        self._thread.join(timeout_s)
 
 
 @dataclasses.dataclass
