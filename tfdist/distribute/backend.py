@@ -71,6 +71,8 @@ class Runner:
         atexit.register(self.close)
 
     def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        if self._closed:
+            raise RuntimeError("This backend's runner was shut down; make a new strategy to train again.")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((future, fn, args))
         return future
@@ -98,8 +100,10 @@ class Runner:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._queue.put(None)
-        self._thread.join(timeout_s)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
 
 
 @dataclasses.dataclass

@@ -81,7 +81,8 @@ class StopRequest:
         logging.warning("Received signal %d: saving a checkpoint and stopping.", signum)
         self.requested = True
         if self.flag is not None:
-            self.flag.assign(1.0)
+            with tf.init_scope():  # Runs now, even if the signal lands while a function is being traced.
+                self.flag.assign(1.0)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -335,7 +336,9 @@ class Controller:
                     # An error every worker raises alike (a non-finite loss) lets the executions
                     # already dispatched finish; an execution that failed here (perhaps here only),
                     # or a second Ctrl-C, does not wait for them: they may never finish.
-                    wait = isinstance(error, Exception) and not fetching
+                    # A single controller has no collective partner to hang on: it always waits,
+                    # so no execution changes the model after the error reaches the caller.
+                    wait = isinstance(error, Exception) and (backend.single_controller or not fetching)
                     for _, handle in pending:
                         backend.abandon(handle, wait=wait)
                     raise
@@ -421,9 +424,19 @@ def host_variable(value: float, name: str) -> tf.Variable:
     mirrored one whose creation would be a collective.
     """
     made: list = []
-    creator = threading.Thread(target=lambda: made.append(tf.Variable(value, trainable=False, name=name)))
+
+    def create() -> None:
+        try:
+            with tf.device("/CPU:0"):
+                made.append(tf.Variable(value, trainable=False, name=name))
+        except Exception as e:  # Re-raised in the caller's thread.
+            made.append(e)
+
+    creator = threading.Thread(target=create)
     creator.start()
     creator.join()
+    if isinstance(made[0], Exception):
+        raise made[0]
     return made[0]
 
 

@@ -147,7 +147,11 @@ class _RecordingScope(StatelessScope):
 
 
 def _forward_losses(model: keras.Model) -> list:
-    """The ``add_loss`` values (activity regularisers included) of the forward pass just run, outside a scope."""
+    """The ``add_loss`` values (activity regularisers included) of the forward pass just run.
+
+    Outside a `StatelessScope` Keras keeps them on the layers; inside one (the
+    parameter-server path) in the scope, filtered by layer, as Keras filters them.
+    """
     return [loss for layer in model._flatten_layers(include_self=True) for loss in layer._get_own_losses()]
 
 
@@ -261,7 +265,7 @@ class StepFunctions:
                 state = {id(v): value for v, value in mapping}
                 with _RecordingScope(mapping) as forward:
                     y_pred = model(x, training=True)
-                added = list(forward.losses)
+                    added = _forward_losses(model)  # In a scope: the model's layers' losses it collected.
             else:
                 y_pred = model(x, training=True)
                 added = _forward_losses(model)
