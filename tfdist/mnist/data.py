@@ -44,7 +44,7 @@ SHUFFLE_BUFFER = 10_000  # Examples, per input pipeline, when streaming a tfds t
 class Stream:
     """A training split read from its files by every input pipeline; never held whole in memory.
 
-    `make(global_batch, seed)` returns a dataset function for `tfdist.fit`: it
+    `dataset_fn(global_batch, seed)` returns a dataset function for `tfdist.fit`: it
     takes a `tf.distribute.InputContext` and returns that pipeline's per-replica
     batches (images uint8 [b,28,28,1], labels int32 [b]) for one pass over its
     share of the files. `seed=None` gives every pipeline an unseeded order of its
@@ -53,10 +53,7 @@ class Stream:
 
     num_examples: int
     num_files: int
-    make: Callable[[int, Optional[int]], DatasetFn]
-
-    def dataset_fn(self, global_batch: int, *, seed: Optional[int]) -> DatasetFn:
-        return self.make(global_batch, seed)
+    dataset_fn: Callable[[int, Optional[int]], DatasetFn]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +249,7 @@ def _tfds_stream(builder, name: str) -> Stream:
 
         return dataset_fn
 
-    return Stream(num_examples=split.num_examples, num_files=num_files, make=make)
+    return Stream(num_examples=split.num_examples, num_files=num_files, dataset_fn=make)
 
 
 def _to_arrays(dataset: tf.data.Dataset) -> tuple[np.ndarray, np.ndarray]:

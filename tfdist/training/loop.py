@@ -263,6 +263,7 @@ class Controller:
         # Single-controller runs stop dispatching at once; the workers of a multi-worker job
         # agree on the stop through a flag each step reads, summed in the execution's reduction.
         flag = None if backend.single_controller else host_variable(0.0, "tfdist_stop")
+        stop_arg = flag if flag is not None else tf.constant(0.0)
         with StopRequest(flag) as stop, self._profiler_guard():
             while step < plan.total_steps and not self.model.stop_training:
                 epoch = step // plan.steps_per_epoch
@@ -288,7 +289,7 @@ class Controller:
                         num = min(plan.steps_per_execution, boundary - dispatched)
                         self._profile_start(dispatched)
                         pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
-                                                              flag if flag is not None else tf.constant(0.0))))
+                                                              stop_arg)))
                         dispatched += num
 
                 segment_examples, agreed_stop, fetching = 0, False, False

@@ -260,13 +260,12 @@ class StepFunctions:
         variables = model.trainable_variables
         state = None
         with tf.GradientTape() as tape:
+            forward: Any = contextlib.nullcontext()
             if self.backend.asynchronous:
                 mapping = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables]
                 state = {id(v): value for v, value in mapping}
-                with _RecordingScope(mapping) as forward:
-                    y_pred = model(x, training=True)
-                    added = _forward_losses(model)  # In a scope: the model's layers' losses it collected.
-            else:
+                forward = _RecordingScope(mapping)
+            with forward:
                 y_pred = model(x, training=True)
                 added = _forward_losses(model)
             loss, unscaled, deltas = self._tracked_loss(x, y, y_pred, sample_weight, training=True, added=added)
