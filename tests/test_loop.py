@@ -6,11 +6,14 @@ exits, so the job ends, although its next execution was already dispatched; a
 float16 overflow on one worker is skipped by all of them.
 """
 
+import contextlib
 import re
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from tests.conftest import REPO, subprocess_env
 from tests.test_launch import Job
@@ -91,3 +94,125 @@ def test_float16_overflow_on_one_of_two_cpu_replicas():
                             text=True, timeout=240, cwd=REPO, env=subprocess_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "scale 32768 -> 16384 unchanged=True finite=True" in result.stdout, result.stdout
+
+
+# Keras' fit contract for callbacks, in this process, against Keras' own fit on one device ----------------
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdist  # noqa: E402
+
+_RNG = np.random.default_rng(0)
+CX = _RNG.normal(size=(256, 8)).astype("float32")
+CY = (CX @ _RNG.normal(size=(8, 1))).astype("float32")
+
+
+def small_model(strategy=None, optimizer=None):
+    """`optimizer`: a function making it (optimizers made outside the scope hold variables of no strategy)."""
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh",
+                                                                        kernel_initializer=keras.initializers.GlorotUniform(0)),
+                                  keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(1))])
+        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def batches(x=CX, y=CY):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)
+
+
+def default_strategy():
+    return tfdist.make_strategy("default", precision="float32")
+
+
+def assert_same_weights(a, b, atol=1e-5):
+    for u, v in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(u, v, atol=atol)
+
+
+def test_a_second_fit_after_early_stopping_trains_as_keras_does():
+    # Keras resets model.stop_training at the start of every fit; EarlyStopping then stops each fit after 2 epochs.
+    def stopper():
+        return keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=0)
+
+    reference, model = small_model(), small_model(default_strategy())
+    for _ in range(2):
+        expected = reference.fit(batches(), epochs=5, callbacks=[stopper()], verbose=0, shuffle=False)
+        got = tfdist.fit(model, batches(), epochs=5, callbacks=[stopper()], verbose=0, steps_per_execution=1)
+        assert got.epoch == expected.epoch == [0, 1]
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 32
+    assert_same_weights(model, reference)
+
+
+def test_terminate_on_nan_stops_after_the_batch_as_in_keras():
+    x = CX.copy()
+    x[3 * 32 + 5, 0] = np.nan  # Batch 3 has a NaN input: its loss is NaN.
+    reference, model = small_model(), small_model(default_strategy())
+    expected = reference.fit(batches(x), epochs=2, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0,
+                             shuffle=False)
+    got = tfdist.fit(model, batches(x), epochs=2, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0,
+                     steps_per_execution=1)
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 4
+    assert got.epoch == expected.epoch == [0] and np.isnan(got.history["loss"][0])
+    with pytest.raises(tfdist.UserError, match="The training loss became non-finite"):  # Without it: refused.
+        tfdist.fit(small_model(default_strategy()), batches(x), epochs=1, verbose=0, steps_per_execution=1)
+
+
+def test_per_batch_hooks_see_each_execution_with_the_running_logs():
+    seen = []
+    hook = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: seen.append(("begin", b)),
+                                          on_train_batch_end=lambda b, logs: seen.append(("end", b, logs["loss"])))
+    model = small_model(default_strategy())
+    history = tfdist.fit(model, batches(), epochs=1, callbacks=[hook], verbose=0, steps_per_execution=3)
+    assert [s[:2] for s in seen] == [("begin", 0), ("end", 2), ("begin", 3), ("end", 5), ("begin", 6), ("end", 7)]
+    assert seen[-1][2] == pytest.approx(history.history["loss"][0], rel=1e-6)  # The epoch's running mean.
+
+
+@pytest.mark.parametrize("name,options", [("default", {}), ("mirrored", {"num_cpu_replicas": 2,
+                                                                         "all_reduce": "reduce_to_one"})])
+def test_optimizer_ema_weights_are_finalized_as_in_keras(name, options):
+    def ema():
+        return keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=0.9)
+
+    reference = small_model(optimizer=ema)
+    reference.fit(batches(), epochs=2, verbose=0, shuffle=False)
+    model = small_model(tfdist.make_strategy(name, precision="float32", **options), optimizer=ema)
+    tfdist.fit(model, batches(), epochs=2, verbose=0)
+    raw = small_model()
+    raw.fit(batches(), epochs=2, verbose=0, shuffle=False)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(raw.get_weights(), reference.get_weights())) > 1e-3
+    assert_same_weights(model, reference)
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Keras' BackupAndRestore example: training dies at the start of an epoch."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_at_its_epoch_as_in_keras(tmp_path):
+    results = []
+    for run, fit in (("keras", lambda m, cbs: m.fit(batches(), epochs=4, callbacks=cbs, verbose=0, shuffle=False)),
+                     ("tfdist", lambda m, cbs: tfdist.fit(m, batches(), epochs=4, callbacks=cbs, verbose=0))):
+        model = small_model(default_strategy() if run == "tfdist" else None)
+        backup = str(tmp_path / run)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            fit(model, [keras.callbacks.BackupAndRestore(backup), Interrupt()])
+        history = fit(model, [keras.callbacks.BackupAndRestore(backup)])
+        results.append((model, history.epoch, int(model.optimizer.iterations.numpy())))
+    (reference, expected_epochs, expected_steps), (model, epochs, steps) = results
+    assert epochs == expected_epochs == [2, 3] and steps == expected_steps
+    assert_same_weights(model, reference)
+
+
+def test_only_the_chief_runs_file_writing_callbacks(tmp_path):
+    result = launch([sys.executable, "tests/programs/callbacks_per_task.py", str(tmp_path)], timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    written = sorted(p.name for p in tmp_path.iterdir())
+    # Each task names its files after itself: only the chief's exist, and every worker restored the backup.
+    assert written == ["backup", "task0.csv", "task0.keras", "tb0"], written
+    assert re.findall(r"^\[worker:\d\] (restored .*)$", result.stdout, re.M) == ["restored epoch 1"] * 2, \
+        result.stdout[-3000:]

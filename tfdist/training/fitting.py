@@ -473,6 +473,43 @@ def _resolve_jit(jit_compile: Any, backend: Backend, model: keras.Model) -> bool
     return bool(jit_compile)
 
 
+# Keras callbacks that write files: on a multi-worker job only the chief runs them, so workers
+# never race on shared storage. BackupAndRestore also reads: every task restores, the chief writes.
+FILE_WRITERS = (keras.callbacks.TensorBoard, keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger)
+
+
+class _RestoreOnly(keras.callbacks.Callback):
+    """A `BackupAndRestore` on a non-chief task: it restores at the start and writes nothing."""
+
+    def __init__(self, callback: keras.callbacks.Callback):
+        super().__init__()
+        self.callback = callback
+
+    def set_model(self, model: keras.Model) -> None:
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def set_params(self, params: dict) -> None:
+        super().set_params(params)
+        self.callback.set_params(params)
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self.callback.on_train_begin(logs)
+
+
+def callbacks_for_task(callbacks: list, backend: Backend) -> list:
+    """The user's callbacks this task runs: all on the chief; on other workers none that write files."""
+    if backend.is_chief:
+        return callbacks
+    kept = []
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            kept.append(_RestoreOnly(callback))
+        elif not isinstance(callback, FILE_WRITERS):
+            kept.append(callback)
+    return kept
+
+
 def _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir, step_counter,
          start_step, callbacks, checkpoint_every_steps, verbose, precision, summary_every_steps,
          profile_steps) -> LoopResult:
@@ -489,7 +526,8 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         eval_examples = validation.num_examples
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
-        list(callbacks or []) + [history], add_history=False, add_progbar=False, model=model,
+        callbacks_for_task(list(callbacks or []), backend) + [history], add_history=False, add_progbar=False,
+        model=model,
         verbose=0, epochs=plan.epochs, steps=plan.steps_per_epoch)
 
     def save(step: int) -> Optional[str]:

@@ -207,6 +207,11 @@ class Controller:
         self.summary_every = summary_every_steps
         self.profile = profile
         self._profiling = False
+        # Keras calls per-batch hooks once per execution (steps_per_execution batches); where a
+        # callback has them, executions run one at a time so a stop a hook requests (TerminateOnNaN,
+        # a batch-level EarlyStopping) takes effect before the next execution, as in Keras.
+        self.batch_hooks = has_batch_hooks(callbacks)
+        self.in_flight = 1 if self.batch_hooks and not backend.asynchronous else backend.max_in_flight
 
     # Agreement ----------------------------------------------------------------
     def check_agreement(self, step: int, precision: str) -> None:
@@ -245,6 +250,9 @@ class Controller:
 
     def run(self, start_step: int) -> LoopResult:
         plan, backend, steps = self.plan, self.backend, self.steps
+        self.model.stop_training = False  # As Keras' fit: a stop requested in an earlier fit does not carry over.
+        self.callbacks.on_train_begin()
+        start_step = self._initial_step(start_step)
         step = start_step
         iterator = self.train_iterator_fn(start_step)
         layout = steps.layout
@@ -258,8 +266,7 @@ class Controller:
         nonfinite_run = 0
         summary_totals: Optional[np.ndarray] = None
         last_totals: Optional[np.ndarray] = None
-        self.callbacks.on_train_begin()
-        epoch_open = False
+        epoch_open, epoch_nonfinite = False, False
         # Single-controller runs stop dispatching at once; the workers of a multi-worker job
         # agree on the stop through a flag each step reads, summed in the execution's reduction.
         flag = None if backend.single_controller else host_variable(0.0, "tfdist_stop")
@@ -283,10 +290,12 @@ class Controller:
                     # are fetched (on every worker alike, so collectives stay matched), and
                     # parameter-server workers get a new one as each finishes.
                     nonlocal dispatched
-                    while dispatched < boundary and len(pending) < backend.max_in_flight:
-                        if backend.single_controller and stop.requested:
+                    while dispatched < boundary and len(pending) < self.in_flight:
+                        if (backend.single_controller and stop.requested) or self.model.stop_training:
                             return
                         num = min(plan.steps_per_execution, boundary - dispatched)
+                        if self.batch_hooks:
+                            self.callbacks.on_train_batch_begin(dispatched - epoch * plan.steps_per_epoch)
                         self._profile_start(dispatched)
                         pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
                                                               stop_arg)))
@@ -308,10 +317,17 @@ class Controller:
                         # execution's reduction: no worker dispatches more once it is seen.
                         agreed_stop = agreed_stop or totals[2] > 0
                         self._profile_stop(step)
-                        if not agreed_stop:
+                        if not agreed_stop and not self.batch_hooks:
                             fill()  # The next execution runs while this one's results are handled.
                         nonfinite = int(round(float(totals[1])))
-                        if nonfinite and not self.loss_scaling:
+                        epoch_totals += totals
+                        if self.batch_hooks:
+                            batch_logs = layout.results(epoch_totals)
+                            if nonfinite and not self.loss_scaling:
+                                batch_logs["loss"] = float("nan")  # What Keras' logs show (TerminateOnNaN reads it).
+                            self.callbacks.on_train_batch_end(step - 1 - epoch * plan.steps_per_epoch, batch_logs)
+                        epoch_nonfinite = epoch_nonfinite or bool(nonfinite and not self.loss_scaling)
+                        if nonfinite and not self.loss_scaling and not self.model.stop_training:
                             raise self.error(
                                 f"The training loss became non-finite (NaN or inf) in {nonfinite} of the steps up to "
                                 f"step {step}; lower the learning rate (or add warm-up). No checkpoint was written "
@@ -323,7 +339,6 @@ class Controller:
                                 f"step {step} although loss scaling skipped them and lowered the scale each time: "
                                 "training diverged. Lower the learning rate (or add warm-up). No checkpoint was "
                                 "written for these steps.")
-                        epoch_totals += totals
                         if nonfinite < num:
                             last_totals = totals
                             if first_loss is None:
@@ -333,6 +348,8 @@ class Controller:
                             self._train_summaries(layout.results(summary_totals), step)
                             summary_totals = None
                         self.progress.update(epoch, step - epoch * plan.steps_per_epoch, epoch_totals, layout)
+                        if not agreed_stop and self.batch_hooks:
+                            fill()  # After the hooks: a stop they requested dispatches nothing more.
                 except BaseException as error:
                     # An error every worker raises alike (a non-finite loss) lets the executions
                     # already dispatched finish; an execution that failed here (perhaps here only),
@@ -354,9 +371,13 @@ class Controller:
                     tf.summary.scalar("train/examples_per_sec", segment_examples / seconds, step=step)
                 if agreed_stop or (backend.single_controller and stop.requested):
                     raise Preempted(step, self.save_fn(step))
-                at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps
+                at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps or \
+                    self.model.stop_training
                 if at_epoch_end:
                     train_logs = layout.results(epoch_totals)
+                    if epoch_nonfinite:
+                        train_logs["loss"] = float("nan")
+                    epoch_nonfinite = False
                     val_logs = self.evaluate()
                     for name, value in val_logs.items():
                         tf.summary.scalar(f"eval/{name[4:]}", value, step=step)
@@ -373,6 +394,7 @@ class Controller:
                 last_loss = _loss(layout, last_totals)
             if step == start_step and self.eval_iterator_fn is not None:
                 val_logs = self.evaluate()  # Resumed a finished run: evaluate what was restored.
+        finalize_optimizer(self.model, backend)
         self.callbacks.on_train_end({**train_logs, **val_logs})
         return LoopResult(
             history=self.history, steps=step, resumed_from=start_step, train_logs=train_logs, val_logs=val_logs,
@@ -382,6 +404,20 @@ class Controller:
             device_step_count=None,
         )
 
+
+    def _initial_step(self, start_step: int) -> int:
+        """Where training starts once callbacks began: a `BackupAndRestore` may move it to a later epoch.
+
+        As in Keras' fit, ``model._initial_epoch`` (set by `BackupAndRestore.on_train_begin`, which also
+        restored the weights) names the first epoch to train; the data order continues from there.
+        """
+        initial = getattr(self.model, "_initial_epoch", None) or 0
+        first = min(int(initial) * self.plan.steps_per_epoch, self.plan.total_steps)
+        if first <= start_step:
+            return start_step
+        logging.info("Callbacks restored epoch %d: training starts at step %d.", initial, first)
+        self.steps.step_counter.assign(first)
+        return first
 
     @contextlib.contextmanager
     def _profiler_guard(self) -> Iterator[None]:
@@ -415,6 +451,24 @@ class Controller:
         if self._profiling and step >= self.profile[0][1]:
             tf.profiler.experimental.stop()
             self._profiling = False
+
+
+BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+
+
+def has_batch_hooks(callbacks: keras.callbacks.CallbackList) -> bool:
+    """Whether any callback overrides a per-batch training hook (Keras marks the base ones as defaults)."""
+    from keras.src.utils.python_utils import is_default
+
+    return any(not is_default(getattr(cb, name)) for cb in callbacks.callbacks for name in BATCH_HOOKS)
+
+
+def finalize_optimizer(model: keras.Model, backend: Backend) -> None:
+    """What Keras' fit does after the last epoch: ``finalize_variable_values`` (EMA weights, ``use_ema``)."""
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        with backend.scope():
+            optimizer.finalize_variable_values(model.trainable_weights)
 
 
 def host_variable(value: float, name: str) -> tf.Variable:
