@@ -52,7 +52,7 @@ def main() -> None:
                         "(so after N+1 epochs: a fixed point for tests)")
     args = parser.parse_args()
     options = {"num_cpu_replicas": args.num_cpu_replicas} if args.num_cpu_replicas else {}
-    strategy = tfdist.make_strategy(args.strategy, precision="float32", **options)
+    strategy = tfdist.make_strategy(args.strategy, **options)
     digits = data.load_dataset("mnist")
     with strategy.scope():
         model = build_model()

@@ -23,7 +23,7 @@ x_test = digits.eval_images.astype("float32") / 255.0
 y_train, y_test = digits.train_labels, digits.eval_labels
 epochs = int(os.environ.get("EPOCHS", "3"))
 
-strategy = tfdist.make_strategy(precision="float32")  # changed: pick the strategy from the environment
+strategy = tfdist.make_strategy()  # changed: pick the strategy from the environment
 with strategy.scope():  # changed: build under its scope
     model = keras.Sequential([
         keras.Input((28, 28, 1)),

@@ -40,3 +40,42 @@ def test_apply_sets_policy_and_warns_for_float16_on_cpu(caplog):
         precision.apply(precision.PrecisionChoice("mixed_float16", "test"), device_kind="cpu")
     assert keras.mixed_precision.dtype_policy().name == "mixed_float16"
     assert "mixed_float16 on a CPU is very slow" in caplog.text
+
+
+# make_strategy and tfdist-train ----------------------------------------------------
+def test_make_strategy_leaves_the_users_policy_unless_asked(monkeypatch):
+    import tfdist
+
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ["avx512_bf16"])  # Where "auto" picks bfloat16.
+    tfdist.make_strategy("default")
+    assert keras.config.dtype_policy().name == "float32"  # Keras' default, as the user had it.
+    users = keras.DTypePolicy("mixed_bfloat16")
+    keras.config.set_dtype_policy(users)
+    tfdist.make_strategy("default")
+    assert keras.config.dtype_policy() is users  # The user's own policy object, not a new one.
+    keras.config.set_dtype_policy("float32")
+    tfdist.make_strategy("default", precision="auto")  # Asked: chosen for the device.
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+    tfdist.make_strategy("default", precision="float32")
+    assert keras.config.dtype_policy().name == "float32"
+
+
+def test_a_kept_policy_is_reported_and_mixed_float16_kept_on_a_tpu_is_refused():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    kept = precision.choose(None, device_kind="cpu")
+    assert (kept.policy, kept.reason) == ("mixed_bfloat16", precision.KEPT_REASON)
+    keras.config.set_dtype_policy("mixed_float16")
+    assert precision.choose(None, device_kind="gpu").loss_scaling
+    with pytest.raises(UserError, match="^Keras' global dtype policy is mixed_float16, which cannot run on TPUs"):
+        precision.choose(None, device_kind="tpu")
+
+
+def test_tfdist_train_chooses_by_default_and_logs_the_choice(tmp_path):
+    from tests.conftest import run_train
+    from tfdist.mnist.config import TrainConfig
+
+    assert TrainConfig().precision == "auto"
+    expected = precision.choose("auto", device_kind="cpu")
+    result = run_train([f"--workdir={tmp_path / 'w'}", "--max_steps=2", "--strategy=default"], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"precision={expected.policy} ({expected.reason})" in result.stderr, result.stderr[-2000:]

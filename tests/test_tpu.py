@@ -251,10 +251,10 @@ def test_tpu_policy_trains_with_static_shapes_on_cpu(tmp_path):
     shapes = {tuple(spec.shape.as_list()) for specs in backend.specs for spec in tf.nest.flatten(specs)}
     assert all(None not in shape for shape in shapes), shapes
     train_specs = [specs for specs in backend.specs if len(tf.nest.flatten(specs)) == 2]
-    eval_specs = [specs for specs in backend.specs if len(tf.nest.flatten(specs)) == 4]
+    eval_specs = [specs for specs in backend.specs if len(tf.nest.flatten(specs)) == 3]  # (x, y, mask).
     assert train_specs and eval_specs, backend.specs
     assert {tuple(s[0].shape.as_list()) for s in train_specs} == {(32, 28, 28, 1)}  # 64 over 2 replicas.
-    assert all(s[0].shape[0] == s[1].shape[0] == s[2].shape[0] == s[3].shape[0] for s in eval_specs)
+    assert all(s[0].shape[0] == s[1].shape[0] == s[2].shape[0] for s in eval_specs)
 
 
 def test_cli_without_a_tpu_fails_within_seconds(tmp_path):

@@ -1,6 +1,9 @@
 """Choosing and applying the Keras mixed-precision policy.
 
-``--precision=auto`` picks, per device kind:
+`tfdist.make_strategy` leaves Keras' global dtype policy as the user set it
+(Keras' default: ``float32``) unless asked: ``precision=None`` (its default)
+keeps it, a policy name sets it, and ``auto`` (``tfdist-train``'s default)
+chooses. ``auto`` picks, per device kind:
   * TPU: ``mixed_bfloat16`` (the TPU's native fast type);
   * GPU of compute capability >= 8.0 (Ampere and later: bfloat16 tensor cores):
     ``mixed_bfloat16``, which needs no loss scaling;
@@ -46,8 +49,18 @@ def cpu_bf16_flags() -> list[str]:
     return []
 
 
-def choose(requested: str, *, device_kind: str, gpu_compute_capability: tuple[int, int] | None = None) -> PrecisionChoice:
-    """Resolves `requested` for a device kind ('cpu', 'gpu' or 'tpu')."""
+KEPT_REASON = "Keras' global dtype policy, left as it was (make_strategy(precision='auto') chooses one per device)"
+
+
+def choose(requested: str | None, *, device_kind: str,
+           gpu_compute_capability: tuple[int, int] | None = None) -> PrecisionChoice:
+    """Resolves `requested` for a device kind ('cpu', 'gpu' or 'tpu'); None keeps Keras' current policy."""
+    if requested is None:
+        current = keras.config.dtype_policy().name
+        if current == "mixed_float16" and device_kind == "tpu":
+            raise UserError("Keras' global dtype policy is mixed_float16, which cannot run on TPUs (they have no "
+                            "float16 arithmetic); set mixed_bfloat16 or pass precision='auto' to make_strategy.")
+        return PrecisionChoice(current, KEPT_REASON)
     if requested == "mixed_float16" and device_kind == "tpu":
         raise UserError(
             "--precision=mixed_float16 cannot run on TPUs (they have no float16 "

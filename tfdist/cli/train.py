@@ -65,7 +65,8 @@ flags.DEFINE_integer("grad_accum_steps", _D.grad_accum_steps, "Micro-batches acc
 flags.DEFINE_integer("steps_per_execution", None, "Steps per compiled execution (default 10; 100 on TPU).")
 flags.DEFINE_string("precision", _D.precision, f"One of: {', '.join(PRECISIONS)}.")
 flags.DEFINE_enum("jit_compile", _D.jit_compile, ["auto", "true", "false"], "XLA for each compiled step: auto is "
-                  "on for one GPU per process, off on CPUs and TPUs (TPUStrategy compiles with XLA itself).")
+                  "what Keras resolves for the model (on for one GPU with the default strategy), off on CPUs and "
+                  "TPUs (TPUStrategy compiles with XLA itself).")
 flags.DEFINE_integer("seed", _D.seed, "Seed for weights and data order.")
 # Run directory.
 flags.DEFINE_string("workdir", None, "Run directory (default: a new one under ./runs/).")

@@ -15,6 +15,8 @@ from typing import Any, Optional
 from tfdist.errors import UserError
 
 PRECISIONS = ("auto", "float32", "mixed_float16", "mixed_bfloat16")
+# `make_strategy`'s default: Keras' global dtype policy stays as the user set it (tfdist-train's default is "auto").
+KEEP_PRECISION = None
 
 
 def choice(name: str, value: str, valid: tuple[str, ...]) -> None:
@@ -35,7 +37,7 @@ class StrategyOptions:
     hvd_compression: Optional[str] = None
     hvd_op: Optional[str] = None
     ps_shards: Optional[int] = None
-    precision: str = "auto"
+    precision: Optional[str] = KEEP_PRECISION
     all_reduce_dtype: str = "float32"
     all_reduce_pack_mb: float = 0.0
 
@@ -50,7 +52,8 @@ class StrategyOptions:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> "StrategyOptions":
-        choice("precision", self.precision, PRECISIONS)
+        if self.precision is not KEEP_PRECISION:
+            choice("precision", self.precision, PRECISIONS)
         choice("all_reduce_dtype", self.all_reduce_dtype, ("float32", "bfloat16"))
         if self.all_reduce_pack_mb < 0:
             raise UserError(f"--all_reduce_pack_mb={self.all_reduce_pack_mb} must be 0 (TensorFlow's default "

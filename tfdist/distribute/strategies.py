@@ -338,7 +338,8 @@ def make_strategy(name: str = "auto", **options: object) -> object:
     """Builds the named strategy; returns the tf.distribute.Strategy (or tfdist's Horovod wrapper).
 
     `options` are the flags of the same names (num_cpu_replicas=2, all_reduce="ring", tpu="local",
-    precision="auto", ...). The mixed-precision policy is set here, before the model is built. On a
+    precision="auto", ...). Keras' global dtype policy is left as it is unless `precision` is given: a
+    policy name sets it, "auto" chooses one for the device (tfdist.precision), before the model is built. On a
     parameter-server job's worker and ps tasks this serves until the chief has finished and then ends
     the process with status 0, so one script runs unchanged on every task.
     """
@@ -359,7 +360,8 @@ def make_strategy(name: str = "auto", **options: object) -> object:
         sys.exit(0)
     choice = precision_lib.choose(config.precision, device_kind=backend.device_kind,
                                   gpu_compute_capability=backend.gpu_compute_capability)
-    precision_lib.apply(choice, device_kind=backend.device_kind)
+    if config.precision is not None:  # None: the user's policy stays, untouched.
+        precision_lib.apply(choice, device_kind=backend.device_kind)
     backend.precision = choice
     logging.info("[%s] precision %s (%s)", backend.task_label, choice.policy, choice.reason)
     remember(backend)

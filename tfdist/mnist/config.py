@@ -46,6 +46,8 @@ class TrainConfig(StrategyOptions):
     grad_accum_steps: int = 1
     steps_per_execution: Optional[int] = None
     jit_compile: str = "auto"
+    # tfdist-train chooses the policy for the device (make_strategy keeps the user's unless asked).
+    precision: str = "auto"
     seed: int = 0
     # Run directory.
     workdir: Optional[str] = None

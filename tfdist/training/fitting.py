@@ -451,25 +451,53 @@ def _local_replicas(backend: Backend) -> int:
 
 
 def _resolve_jit(jit_compile: Any, backend: Backend, model: keras.Model) -> bool:
-    """XLA for the step: "auto" is on for one GPU per process, like Keras; refused where XLA cannot run it.
+    """XLA for the step: "auto" is what Keras' own ``fit`` would use, where tfdist can run it; refused clearly.
 
-    TPUStrategy compiles every step with XLA itself, so "auto" leaves it alone there.
+    "auto" takes the model's ``jit_compile``: the value given to ``compile`` or, for
+    ``compile(jit_compile="auto")``, Keras' resolution of it (keras/src/trainers/trainer.py
+    ``_resolve_auto_jit_compile``: off on CPU-only machines, off for a model built under a
+    tf.distribute scope, off unless ``model_supports_jit``: every layer ``supports_jit``, op
+    determinism off). tfdist then keeps it off where it cannot run XLA: several replicas in
+    one process, Horovod, loss scaling, multi-worker CPU collectives, and TPUs (TPUStrategy
+    compiles every step with XLA itself). ``True`` is refused in those cases, and for a model
+    Keras would not compile (Keras warns and proceeds without XLA).
     """
+    from keras.src.trainers.trainer import model_supports_jit
+    from tensorflow.python.framework.config import is_op_determinism_enabled  # What Keras reads.
+
+    if jit_compile not in ("auto", True, False):
+        raise _fail(f"jit_compile={jit_compile!r} must be 'auto', True or False.")
     loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     single = _local_replicas(backend) == 1 and backend.name != "horovod"
+    # XLA-compiled cross-worker collectives on CPU abort the process (SIGABRT, double free; TF 2.21).
+    cpu_workers = backend.device_kind == "cpu" and backend.num_workers > 1 and not backend.asynchronous
+    supported = model_supports_jit(model)
     if jit_compile == "auto":
-        return backend.device_kind == "gpu" and single and not loss_scaled
-    if jit_compile not in (True, False):
-        raise _fail(f"jit_compile={jit_compile!r} must be 'auto', True or False.")
+        return bool(model.jit_compile) and supported and single and not loss_scaled and not cpu_workers \
+            and backend.device_kind != "tpu"
     if jit_compile and not single:
         raise _fail(
             f"XLA (jit_compile) is supported here with one replica per process; this {backend.name} backend has "
             f"{_local_replicas(backend)} local replica(s){' (Horovod ops are not XLA ops)' if backend.name == 'horovod' else ''}"
             ". Use --jit_compile=auto/false, or one process per device (multi_worker_mirrored).")
+    if jit_compile and cpu_workers:
+        raise _fail(
+            f"XLA (jit_compile=True) on a multi-worker CPU job ({backend.num_workers} workers) is refused: TensorFlow "
+            "aborts the workers (SIGABRT, double free) in XLA-compiled collectives on CPUs. Use jit_compile='auto' "
+            "or False on CPUs (XLA is also slower there), or XLA on GPU workers.")
     if jit_compile and loss_scaled and backend.num_replicas > 1:
         raise _fail("XLA (jit_compile) with loss scaling (mixed_float16) across several replicas hits an upstream "
                     "Keras bug (keras-team/keras#21366); use --precision=mixed_bfloat16 (no loss scaling), or "
                     "--jit_compile=false.")
+    if jit_compile and not supported:
+        layers = [f"{layer.name} ({type(layer).__name__})" for layer in model._flatten_layers()
+                  if not layer.supports_jit]
+        why = (f"layer(s) {', '.join(layers)} do not support XLA (supports_jit=False)" if layers else
+               "TensorFlow op determinism is enabled (tf.config.experimental.enable_op_determinism), which XLA "
+               "does not support" if is_op_determinism_enabled() else
+               "Keras does not support XLA for it on this platform")
+        raise _fail(f"jit_compile=True, but the model cannot be compiled with XLA: {why}. Keras' fit would warn "
+                    "and train without XLA; pass jit_compile='auto' or False to tfdist.fit.")
     return bool(jit_compile)
 
 

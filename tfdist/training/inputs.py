@@ -146,13 +146,22 @@ def eval_steps(num_examples: int, per_replica_batch: int, num_replicas: int) -> 
     return max(1, -(-num_examples // (per_replica_batch * num_replicas)))
 
 
+def _padded_weight(weight: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
+    """A sample weight ([n] per example, or [n, T] per timestep) with the padding rows zeroed."""
+    weight = tf.cast(weight, tf.float32)
+    return weight * tf.reshape(mask, tf.concat([[-1], tf.ones([tf.rank(weight) - 1], tf.int32)], 0))
+
+
 def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False) -> DatasetFn:
-    """Per-replica eval batches (x, y, weight, mask): every example exactly once.
+    """Per-replica eval batches ``(x, y, mask)``, or ``(x, y, sample_weight, mask)``: every example exactly once.
 
     Replica r of step s takes positions ``(s * R + r) * b ...``. Positions past
     the end are dropped, so the last batches are smaller (some may be empty);
-    with `static_shapes` (TPUs) they are padded instead and `mask` is 0 there.
-    `weight` is the user's sample weight (times the mask), or the mask.
+    with `static_shapes` (TPUs) they are padded instead and `mask` (one value
+    per example, shape ``[b]``) is 0 there. The user's sample weights keep their
+    structure and shape (per example ``[b]`` or per timestep ``[b, T]``, one per
+    output or one for all), with the padding rows zeroed; without them the
+    element has no weight, so the step passes ``sample_weight=None`` as Keras does.
     """
     num = arrays.num_examples
 
@@ -174,9 +183,9 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
                 indices = tf.boolean_mask(positions, real)
                 mask = tf.ones(tf.shape(indices), tf.float32)
             bx, by = _gather((x, y), indices)
-            weight = mask
-            if sample_weight is not None:
-                weight = mask * tf.cast(tf.gather(sample_weight, indices), tf.float32)
+            if sample_weight is None:
+                return bx, by, mask
+            weight = map_present(lambda w: _padded_weight(tf.gather(w, indices), mask), sample_weight)
             return bx, by, weight, mask
 
         ds = tf.data.Dataset.range(steps * here).map(replica_batch)

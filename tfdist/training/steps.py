@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.distribute.backend import Backend, tf_variable
@@ -204,6 +204,29 @@ def synced_state(model: keras.Model) -> list:
     return found
 
 
+def _mask_padding(y_pred: Any, mask: tf.Tensor) -> Any:
+    """Gives every output a Keras mask that also excludes the padding rows (``mask`` 0, static shapes).
+
+    Keras' losses and mean metrics read the mask of ``y_pred`` (`keras.src.losses.loss.apply_mask`):
+    a ``sum_over_batch_size`` loss then divides by the real (unmasked) entries, as Keras does on the
+    real examples alone. An output's own mask (``Embedding(mask_zero=True)``, per timestep) is kept
+    and combined with the padding; an output without one gets the padding mask in the shape of its
+    per-entry losses (all of the output's dimensions but the last). Without padding (every batch
+    but a padded one) every factor this adds is exactly 1.
+    """
+    real = tf.cast(mask, tf.bool)
+    for output in tf.nest.flatten(y_pred):
+        own = get_keras_mask(output)
+        rank = len(own.shape) if own is not None else max(1, len(output.shape) - 1)
+        rows = tf.reshape(real, tf.concat([[-1], tf.ones([rank - 1], tf.int32)], 0))
+        if own is not None:
+            combined = tf.logical_and(tf.cast(own, tf.bool), rows)
+        else:
+            combined = tf.broadcast_to(rows, tf.shape(output)[:rank]) if len(output.shape) > 1 else real
+        set_keras_mask(output, combined)
+    return y_pred
+
+
 class StepFunctions:
     """The compiled training and evaluation executions for one model under one backend."""
 
@@ -330,27 +353,23 @@ class StepFunctions:
 
     # Evaluation -------------------------------------------------------------
     def _eval_updates(self, x: Any, y: Any, y_pred: Any, weight: Any, unscaled: tf.Tensor, mask: tf.Tensor) -> None:
-        """Keras' test_step updates, exact over padded batches (`mask` marks the real examples)."""
+        """Keras' test_step updates; `y_pred` already masks the padding rows (`_mask_padding`).
+
+        With the padding masked, ``compute_loss`` on a padded batch is Keras' loss of its
+        real examples (each loss divides by what Keras divides by on those examples alone),
+        so the tracker weighs it by the real examples, as Keras weighs a batch by its size.
+        """
         model = self.model
-        real = tf.reduce_sum(mask)
-        size = tf.cast(_batch_size(x), tf.float32)
-        regularisation = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in model.losses]) \
-            if model.losses else tf.constant(0.0)
-        # compute_loss divided the weighted sum by the padded batch size: undo that.
-        per_example = ((unscaled - regularisation) * size + regularisation * real) / tf.maximum(real, 1.0)
-        model._loss_tracker.update_state(per_example, sample_weight=real)
+        model._loss_tracker.update_state(unscaled, sample_weight=tf.reduce_sum(mask))
         if model._compile_metrics is not None:
-            # Unweighted metrics (compile's `metrics=`) ignore sample weights but honour a
-            # Keras mask: padding (static shapes, TPUs) must not count.
-            for output in tf.nest.flatten(y_pred):
-                set_keras_mask(output, tf.cast(mask, tf.bool))
             model._compile_metrics.update_state(y, y_pred, weight)
 
     def _replica_eval_step(self, data: Any, totals: tf.Tensor) -> tf.Tensor:
-        x, y, weight, mask = data
+        *element, mask = data  # (x, y, mask) or (x, y, sample_weight, mask): `inputs.eval_arrays_fn`.
+        x, y, weight = _unpack(tuple(element))
 
         def update() -> tf.Tensor:
-            y_pred = self.model(x, training=False)
+            y_pred = _mask_padding(self.model(x, training=False), mask)
             _, _, deltas = self._tracked_loss(x, y, y_pred, weight, training=False,
                                               added=_forward_losses(self.model), mask=mask)
             return totals + self.layout.pack([tf.reduce_sum(mask), 0.0, 0.0], deltas)
