@@ -15,7 +15,6 @@ import numpy as np
 
 import tfdist
 from tfdist.distribute.backend import tf_variable
-from tfdist.training import workdir as workdir_lib
 
 STEPS_PER_EPOCH, EPOCHS, BATCH = 8, 2, 32
 
@@ -35,7 +34,7 @@ def main() -> None:
     tfdist.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, max_steps=max_steps or None, workdir=workdir,
                steps_per_execution=2, checkpoint_every_steps=2, verbose=0, export=())
     states = [[np.asarray(v) for v in strategy.experimental_local_results(tf_variable(s))]
-              for s in workdir_lib.seed_generator_states(model)]
+              for s in [layer.seed_generator.state for layer in model.layers if hasattr(layer, "seed_generator")]]
     task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
     os.makedirs(out, exist_ok=True)
     np.savez(os.path.join(out, f"task{task}.npz"), seeds=np.array(states),
