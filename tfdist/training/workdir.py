@@ -5,7 +5,8 @@ Layout of ``--workdir``::
   config.json       the resolved configuration (repeat a run with it)
   flags.txt         the same as an absl flagfile: tfdist-train --flagfile=W/flags.txt
   plan.json         the resolved plan a resume must match (written by tfdist.fit)
-  checkpoints/      tf.train checkpoints (ckpt-STEP), newest kept
+  checkpoints/      tf.train checkpoints (ckpt-STEP), newest kept: model, optimizer, step and
+                    every random seed generator's state (`training_checkpoint`)
   tensorboard/      TensorBoard summaries (and profiler traces)
   model.keras       the final model
   saved_model/      with the saved_model export: a SavedModel for serving
@@ -26,7 +27,9 @@ checkpoints are only ever added (the CheckpointManager keeps the newest
 ``checkpoint`` state file only after its data is complete. A write that fails
 (disk full, permission denied, a vanished mount) becomes a `WriteError`: one
 paragraph naming the path, the cause and the last good checkpoint, after the
-failed write's partial files are removed.
+failed write's partial files are removed. A resume starts from the newest
+checkpoint that reads back whole (`RunDir.readable_checkpoint`), skipping
+damaged ones with a log line.
 """
 
 from __future__ import annotations
