@@ -72,3 +72,102 @@ def test_tfdist_train_refuses_an_unknown_export_format(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--export='onnx': unknown format 'onnx'; valid formats are: keras, saved_model" in result.stderr
     assert not (tmp_path / "w").exists()
+
+
+# Exports from tfdist.fit ------------------------------------------------------------
+def _dense_model(*extra):
+    import keras
+
+    init = keras.initializers.GlorotUniform(seed=2)
+    model = keras.Sequential([keras.Input((4,), name="features"), keras.layers.Dense(3, kernel_initializer=init),
+                              *extra])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def _xy():
+    x = np.random.RandomState(0).randn(64, 4).astype("float32")
+    return x, np.stack([x.sum(1), x[:, 0], -x[:, 1]], 1)
+
+
+def test_fit_exports_to_a_non_local_filesystem_through_gfile(tmp_path, monkeypatch):
+    import uuid
+
+    import tfdist
+
+    monkeypatch.chdir(tmp_path)
+    root = f"ram://tfdist-export-{uuid.uuid4().hex}/w"
+    model = _dense_model()
+    x, y = _xy()
+    tfdist.fit(model, x, y, batch_size=16, epochs=1, verbose=0, workdir=root, export=("keras", "saved_model"))
+    assert os.listdir(tmp_path) == []  # Nothing on the local disk (the old code wrote ./ram:/.../saved_model).
+    assert tf.io.gfile.exists(f"{root}/model.keras")
+    assert sorted(tf.io.gfile.listdir(f"{root}/saved_model")) == ["assets", "fingerprint.pb", "saved_model.pb",
+                                                                   "variables"]
+    assert not [p for p in tf.io.gfile.listdir(root) if "tmp" in p]
+    served = tf.saved_model.load(f"{root}/saved_model").signatures["serving_default"]
+    (output,) = served(features=tf.constant(x)).values()
+    np.testing.assert_allclose(output.numpy(), model.predict(x, verbose=0), atol=1e-6)
+
+
+class _Scale:
+    """A constructor argument Keras cannot serialise."""
+
+    factor = 2.0
+
+
+def _unserialisable_layer():
+    import keras
+
+    class ScaleBy(keras.layers.Layer):
+        def __init__(self, scale, **kwargs):
+            super().__init__(**kwargs)
+            self.scale = scale
+
+        def call(self, inputs):
+            return inputs * self.scale.factor
+
+    return ScaleBy(_Scale(), name="scale_by")
+
+
+def test_an_unserialisable_layer_is_refused_before_any_step(tmp_path):
+    import tfdist
+
+    model = _dense_model(_unserialisable_layer())
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(UserError) as e:
+        tfdist.fit(model, *_xy(), batch_size=16, epochs=1, verbose=0, workdir=str(tmp_path / "w"))
+    assert str(e.value) == (
+        "The model cannot be exported as model.keras after training (export includes 'keras'): layer 'scale_by' "
+        "(ScaleBy): Object ScaleBy was created by passing non-serializable argument values in `__init__()`, and "
+        "therefore the object must override `get_config()` in order to be serializable. Either give ScaleBy a "
+        "get_config() that returns its constructor arguments (and a from_config() if they are not plain values), or "
+        "pass export=() (tfdist-train: --export=saved_model) to skip it. No step was run.")
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert not (tmp_path / "w").exists()
+    # Without the keras export the same model trains and exports its SavedModel.
+    history = tfdist.fit(model, *_xy(), batch_size=16, epochs=1, verbose=0, workdir=str(tmp_path / "v"),
+                         export=("saved_model",))
+    assert len(history.history["loss"]) == 1 and (tmp_path / "v" / "saved_model" / "saved_model.pb").exists()
+
+
+def test_an_export_that_fails_after_training_keeps_the_history_and_checkpoints(tmp_path, monkeypatch):
+    import tfdist
+
+    def broken(model, path):
+        raise RuntimeError("the serving export broke. Details follow")
+
+    monkeypatch.setattr(export, "export_saved_model", broken)
+    model = _dense_model()
+    workdir = tmp_path / "w"
+    with pytest.raises(export.ExportError) as e:
+        tfdist.fit(model, *_xy(), batch_size=16, epochs=2, verbose=0, workdir=str(workdir),
+                   export=("keras", "saved_model"))
+    assert str(e.value) == (
+        f"Training finished at step 8 and checkpoint ckpt-8 in {workdir / 'checkpoints'} holds the trained model, "
+        "but the saved_model export failed: RuntimeError: the serving export broke. The History is on "
+        "model.history and on this error's .history. Fix the cause and rerun the same call (it resumes at the last "
+        "checkpoint and exports again), or pass export=() to skip the export.")
+    assert e.value.exit_code == 1
+    assert len(e.value.history.history["loss"]) == 2 and model.history is e.value.history
+    assert (workdir / "model.keras").exists() and (workdir / "checkpoints" / "ckpt-8.index").exists()

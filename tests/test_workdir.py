@@ -9,6 +9,7 @@ so root is needed; without it those tests are skipped with the reason).
 import errno
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -228,3 +229,128 @@ def test_other_errors_pass_through_unchanged(tmp_path):
     with pytest.raises(FileNotFoundError):  # Not a write into the workdir: keeps its type and traceback.
         with workdir.RunDir(str(tmp_path / "w"), is_chief=True):
             open(tmp_path / "absent")
+
+
+# Checkpoints: what they hold, and resuming from damaged ones -----------------------
+def _random_model():
+    """Dense -> Dropout -> Dense: the same initial weights and dropout seed on every call."""
+    import keras
+
+    init = keras.initializers.GlorotUniform(seed=1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", kernel_initializer=init),
+                              keras.layers.Dropout(0.5, seed=3), keras.layers.Dense(1, kernel_initializer=init)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def _fit_random(path, **kwargs):
+    import numpy as np
+
+    import tfdist
+
+    rng = np.random.RandomState(0)
+    x = rng.randn(128, 8).astype("float32")
+    model = _random_model()
+    tfdist.fit(model, x, x[:, :1] * 2.0, batch_size=32, epochs=2, verbose=0, workdir=str(path), export=(),
+               steps_per_execution=2, **kwargs)
+    return model
+
+
+def _max_diff(a, b):
+    import numpy as np
+
+    return max(float(np.abs(p - q).max()) for p, q in zip(a.get_weights(), b.get_weights()))
+
+
+def test_resume_with_dropout_is_exact_in_one_process(tmp_path):
+    """The Dropout layer's SeedGenerator state is saved (keras' SeedGenerator is not TF-trackable)."""
+    whole = _fit_random(tmp_path / "a")
+    _fit_random(tmp_path / "b", max_steps=4)  # Epoch 1 of 2, then a new model resumes epoch 2.
+    resumed = _fit_random(tmp_path / "b")
+    assert _max_diff(whole, _random_model()) > 0.05  # Training moved the weights.
+    assert _max_diff(whole, resumed) <= 1e-6
+    keys = [name for name, _ in tf.train.list_variables(str(tmp_path / "b" / "checkpoints" / "ckpt-8"))]
+    assert "seed_generators/states/0/.ATTRIBUTES/VARIABLE_VALUE" in keys
+
+
+def test_a_checkpoint_without_seed_state_resumes_with_a_warning(tmp_path, monkeypatch, caplog):
+    def old_layout(model, step):  # What tfdist wrote before the seed generators' state was saved.
+        return tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(workdir, "training_checkpoint", old_layout)
+        _fit_random(tmp_path / "w", max_steps=4)
+    with caplog.at_level("INFO"):
+        _fit_random(tmp_path / "w")
+    assert ("Checkpoint ckpt-4 holds no state of the model's 1 random seed generator(s) (Dropout and other random "
+            "layers; it was written by an older tfdist): resuming with their current state, so the random masks "
+            "of the resumed steps differ from those of an uninterrupted run.") in caplog.text
+    assert "at step 4." in caplog.text
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_with_one_log_line(tmp_path, caplog):
+    whole = _fit_random(tmp_path / "a")
+    _fit_random(tmp_path / "b", max_steps=4, checkpoint_every_steps=2)
+    checkpoints = tmp_path / "b" / "checkpoints"
+    _truncate(checkpoints / "ckpt-4.data-00000-of-00001")  # A full disk or a killed copy.
+    with caplog.at_level("INFO"):
+        resumed = _fit_random(tmp_path / "b", checkpoint_every_steps=2)
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipped")]
+    assert skipped == [f"Skipped damaged checkpoint ckpt-4 (Read less bytes than requested) in {checkpoints}; "
+                       "resuming from ckpt-2."]
+    assert f"Resuming from checkpoint {checkpoints / 'ckpt-2'} at step 2." in caplog.text
+    assert _max_diff(whole, resumed) <= 1e-6  # Steps 3-4 ran again, exactly as the first time.
+
+
+def test_no_whole_checkpoint_is_one_paragraph_naming_each(tmp_path):
+    _fit_random(tmp_path / "w", max_steps=4, checkpoint_every_steps=2)
+    checkpoints = tmp_path / "w" / "checkpoints"
+    os.remove(checkpoints / "ckpt-4.index")
+    _truncate(checkpoints / "ckpt-2.data-00000-of-00001")
+    model = _random_model()
+    with pytest.raises(UserError) as e:
+        _fit_random(tmp_path / "w")
+    assert str(e.value) == (
+        f"Cannot resume the run in --workdir={tmp_path / 'w'}: none of its checkpoints reads back whole: ckpt-4 (its "
+        "index file is missing); ckpt-2 (Read less bytes than requested). Restore "
+        f"{checkpoints} from a copy, or start a new run with a new --workdir.")
+    assert _max_diff(model, _random_model()) == 0.0
+
+
+def test_two_workers_resume_exactly_past_a_damaged_checkpoint(tmp_path):
+    """2 MWMS workers: the seed state is the same on both, and both skip the same damaged checkpoint."""
+    import numpy as np
+
+    def launch(workdir, max_steps, out):
+        command = [sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2", "--", sys.executable,
+                   "tests/programs/dropout_resume.py", "multi_worker_mirrored", str(workdir), str(max_steps),
+                   str(out)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+                                env=subprocess_env())
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        return result.stdout + result.stderr
+
+    launch(tmp_path / "a", 0, tmp_path / "out_a")
+    launch(tmp_path / "b", 8, tmp_path / "out_b1")  # Epoch 1 of 2: checkpoints at steps 4, 6, 8 kept.
+    checkpoints = tmp_path / "b" / "checkpoints"
+    _truncate(checkpoints / "ckpt-8.data-00000-of-00001")
+    output = launch(tmp_path / "b", 0, tmp_path / "out_b")
+    line = (f"Skipped damaged checkpoint ckpt-8 (Read less bytes than requested) in {checkpoints}; resuming from "
+            "ckpt-6.")
+    assert sorted(re.findall(rf"^\[(worker:\d)\] .*{re.escape(line)}$", output, re.M)) == ["worker:0", "worker:1"]
+    whole = [np.load(tmp_path / "out_a" / f"task{i}.npz") for i in (0, 1)]
+    resumed = [np.load(tmp_path / "out_b" / f"task{i}.npz") for i in (0, 1)]
+    # Two seed generators (Dropout, GaussianNoise), advanced once per step, the same on both workers.
+    assert whole[0]["seeds"].shape == (2, 1, 2) and (whole[0]["seeds"][:, :, 1] == 16).all()
+    for run in (whole, resumed):
+        assert all(np.array_equal(run[0][k], run[1][k]) for k in run[0].files)
+    assert np.array_equal(whole[0]["seeds"], resumed[0]["seeds"])
+    weights = [k for k in whole[0].files if k != "seeds"]
+    assert max(float(np.abs(whole[0][k] - resumed[0][k]).max()) for k in weights) <= 1e-6
+    assert max(float(np.abs(whole[0][k] - np.load(tmp_path / "out_b1" / "task0.npz")[k]).max())
+               for k in weights) > 0.01  # Epoch 2 moved the weights.

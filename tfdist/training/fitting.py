@@ -391,7 +391,9 @@ def fit(
             step_counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_step",
                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     backend.report_placement(list(model.variables) + list(model.optimizer.variables) + [step_counter])
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step_counter)
+    checkpoint = workdir_lib.training_checkpoint(model, step_counter)  # Seed generators' state included.
+    if workdir is not None:
+        export_lib.check_exportable(model, export)  # Before any step: a failed export would come after training.
     owned = not isinstance(workdir, workdir_lib.RunDir)
     rundir = workdir if not owned else (workdir_lib.RunDir(workdir, is_chief=backend.is_chief) if workdir else None)
     if rundir is not None:
@@ -401,7 +403,7 @@ def fit(
     with rundir if (rundir is not None and owned) else contextlib.nullcontext():
         if rundir is not None:
             rundir.acquire()
-            latest = rundir.latest_checkpoint()
+            latest = rundir.readable_checkpoint()  # Skips damaged ones with a log line; none whole: UserError.
             if latest is not None and resume is False:
                 raise UserError(f"--workdir={workdir} already holds checkpoint {os.path.basename(latest)} and "
                                 "resuming is off (--noresume / resume=False); tfdist never overwrites a run. Pick a "
@@ -412,7 +414,7 @@ def fit(
             if latest is not None:
                 check_resume(workdir, plan)
                 try:
-                    checkpoint.restore(latest).assert_existing_objects_matched()
+                    workdir_lib.restore_checkpoint(checkpoint, latest)
                 except (AssertionError, ValueError, tf.errors.OpError) as e:
                     raise UserError(
                         f"Cannot resume from {latest}: it does not hold this model and optimizer "
@@ -433,14 +435,33 @@ def fit(
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
                       summary_every_steps, profile_steps)
         if rundir is not None:  # Chief only; staged and renamed into place.
-            if "keras" in export:
-                rundir.export_model(model)
-            if "saved_model" in export:
-                rundir.export_saved_model(model)
+            _export(rundir, model, export, result, manager)
     if _report is not None:
         _report.update(plan=plan, result=result, backend=backend, precision=precision, rundir=rundir,
                        wall_seconds=time.time() - start)
     return result.history
+
+
+def _export(rundir: Any, model: keras.Model, export: Sequence[str], result: LoopResult, manager: Any) -> None:
+    """Writes the exports; one that fails raises `ExportError` with the History on it (checkpoints are kept)."""
+    from tfdist.training import export as export_lib, workdir as workdir_lib
+
+    for name, write in (("keras", rundir.export_model), ("saved_model", rundir.export_saved_model)):
+        if name not in export:
+            continue
+        try:
+            write(model)
+        except Exception as e:  # noqa: BLE001 - any failure: keep the History, say what failed.
+            cause = str(e) if isinstance(e, workdir_lib.WriteError) else \
+                f"{type(e).__name__}: {export_lib.first_sentence(e)}"
+            latest = manager.latest_checkpoint if manager is not None else None
+            kept = (f"checkpoint {os.path.basename(latest)} in {os.path.dirname(latest)} holds the trained model"
+                    if latest else "no checkpoint was written")
+            raise export_lib.ExportError(
+                f"Training finished at step {result.steps} and {kept}, but the {name} export failed: {cause} The "
+                "History is on model.history and on this error's .history. Fix the cause and rerun the same call "
+                "(it resumes at the last checkpoint and exports again), or pass export=() to skip the export.",
+                history=result.history) from e
 
 
 def _local_replicas(backend: Backend) -> int:

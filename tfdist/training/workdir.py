@@ -5,7 +5,8 @@ Layout of ``--workdir``::
   config.json       the resolved configuration (repeat a run with it)
   flags.txt         the same as an absl flagfile: tfdist-train --flagfile=W/flags.txt
   plan.json         the resolved plan a resume must match (written by tfdist.fit)
-  checkpoints/      tf.train checkpoints (ckpt-STEP), newest kept
+  checkpoints/      tf.train checkpoints (ckpt-STEP), newest kept: model, optimizer, step and
+                    every random seed generator's state (`training_checkpoint`)
   tensorboard/      TensorBoard summaries (and profiler traces)
   model.keras       the final model
   saved_model/      with the saved_model export: a SavedModel for serving
@@ -26,7 +27,9 @@ checkpoints are only ever added (the CheckpointManager keeps the newest
 ``checkpoint`` state file only after its data is complete. A write that fails
 (disk full, permission denied, a vanished mount) becomes a `WriteError`: one
 paragraph naming the path, the cause and the last good checkpoint, after the
-failed write's partial files are removed.
+failed write's partial files are removed. A resume starts from the newest
+checkpoint that reads back whole (`RunDir.readable_checkpoint`), skipping
+damaged ones with a log line.
 """
 
 from __future__ import annotations
@@ -93,6 +96,81 @@ def default_workdir(strategy: str) -> str:
 
 def _is_local(path: str) -> bool:
     return "://" not in path
+
+
+def unreadable_checkpoint(path: str) -> Optional[str]:
+    """Why checkpoint `path` does not read back whole, or None when every tensor in it reads.
+
+    Reads each tensor once (the bundle reader checks each one's length and
+    checksum), before anything is restored into the model.
+    """
+    if not tf.io.gfile.exists(path + ".index"):
+        return "its index file is missing"
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for key in sorted(reader.get_variable_to_shape_map()):
+            reader.get_tensor(key)
+    except (tf.errors.OpError, IndexError, ValueError, OSError, RuntimeError) as e:
+        return _cause(e)
+    return None
+
+
+# What the checkpoint holds besides the model and optimizer -------------------------
+SEED_CHILD = "seed_generators"
+
+
+class SeedStates(tf.__internal__.tracking.AutoTrackable):
+    """The state variables of the model's `keras.random.SeedGenerator`s, as one checkpoint child.
+
+    A `SeedGenerator` (Dropout, RandomFlip, GaussianNoise, ...) is a plain
+    Python object, not a TensorFlow ``Trackable``: TensorFlow's attribute
+    tracking never reaches its ``state`` variable, so ``Checkpoint(model=...)``
+    leaves it out. Held here (``seed_generators/states/I``, I in the order
+    of ``model.variables``), it is saved and restored without any change to
+    the model.
+    """
+
+    def __init__(self, states: list):
+        super().__init__()
+        self.states = list(states)
+
+
+def seed_generator_states(model: Any) -> list:
+    """The ``state`` variable of every SeedGenerator the model's layers hold, in ``model.variables`` order."""
+    ids = {id(generator.state) for layer in model._flatten_layers(include_self=True)
+           for generator in getattr(layer, "_seed_generators", [])}
+    states, seen = [], set()
+    for variable in model.variables:
+        if id(variable) in ids and id(variable) not in seen:
+            states.append(variable)
+            seen.add(id(variable))
+    return states
+
+
+def training_checkpoint(model: Any, step: tf.Variable) -> tf.train.Checkpoint:
+    """What a checkpoint holds: the model, its optimizer, the step counter and the seed generators' state."""
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step,
+                               **{SEED_CHILD: SeedStates(seed_generator_states(model))})
+
+
+def restore_checkpoint(checkpoint: tf.train.Checkpoint, path: str) -> None:
+    """Restores `path` into `checkpoint` (made by `training_checkpoint`), asserting every object matched.
+
+    A checkpoint written before the seed generators' state was saved is
+    restored without it, with a warning: the resumed run's random masks then
+    differ from an uninterrupted run's (training is otherwise unchanged).
+    """
+    states = getattr(checkpoint, SEED_CHILD).states
+    keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    if not states or any(key.startswith(SEED_CHILD + "/") for key in keys):
+        checkpoint.restore(path).assert_existing_objects_matched()
+        return
+    core = tf.train.Checkpoint(model=checkpoint.model, optimizer=checkpoint.optimizer, step=checkpoint.step)
+    core.restore(path).assert_existing_objects_matched()
+    logging.warning("Checkpoint %s holds no state of the model's %d random seed generator(s) (Dropout and other "
+                    "random layers; it was written by an older tfdist): resuming with their current state, so the "
+                    "random masks of the resumed steps differ from those of an uninterrupted run.",
+                    os.path.basename(path), len(states))
 
 
 class RunDir:
@@ -327,6 +405,44 @@ class RunDir:
     def latest_checkpoint(self) -> Optional[str]:
         """The newest checkpoint in the workdir (read by every process to resume)."""
         return tf.train.latest_checkpoint(self.join("checkpoints"))
+
+    def checkpoints(self) -> list[str]:
+        """Every checkpoint the workdir's ``checkpoint`` state file records, newest first."""
+        state = tf.train.get_checkpoint_state(self.join("checkpoints"))
+        if state is None:
+            return []
+        paths = list(reversed(state.all_model_checkpoint_paths))
+        if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
+            paths.insert(0, state.model_checkpoint_path)
+        return paths
+
+    def readable_checkpoint(self) -> Optional[str]:
+        """The newest checkpoint that reads back whole (None when there is none at all).
+
+        A damaged one (truncated by a full disk or a killed copy, its index
+        missing, a checksum mismatch) is skipped with one log line naming it and
+        why. Every process of a job reads the same shared files in the same
+        order, so all pick the same checkpoint (the loop's agreement check
+        compares the restored steps). When none reads back whole: a `UserError`
+        naming each.
+        """
+        paths = self.checkpoints()
+        skipped: list[str] = []
+        for path in paths:
+            why = unreadable_checkpoint(path)
+            if why is None:
+                if skipped:
+                    logging.warning("Skipped damaged checkpoint%s %s in %s; resuming from %s.",
+                                    "s" if len(skipped) > 1 else "", "; ".join(skipped),
+                                    self.join("checkpoints"), os.path.basename(path))
+                return path
+            skipped.append(f"{os.path.basename(path)} ({why})")
+        if not paths:
+            return None
+        raise UserError(
+            f"Cannot resume the run in --workdir={self.path}: none of its checkpoints reads back whole: "
+            f"{'; '.join(skipped)}. Restore {self.join('checkpoints')} from a copy, or start a new run with a new "
+            "--workdir.")
 
     def write_json(self, name: str, values: dict[str, Any]) -> None:
         if self.is_chief:
