@@ -15,7 +15,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import queue
+import socket
 import threading
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -120,9 +122,6 @@ def wait_until_closed(addresses: Sequence[str], timeout_s: float, poll_s: float 
     A TensorFlow server listens until its process has exited, so this is how a
     task learns that the others have gone.
     """
-    import socket
-    import time
-
     deadline = time.monotonic() + timeout_s
     waiting = list(addresses)
     while waiting:
@@ -376,8 +375,6 @@ class Backend:
         label = self.task_label
 
         def wait_for_the_others() -> None:
-            import time
-
             from absl import logging
 
             start = time.monotonic()
