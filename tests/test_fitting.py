@@ -122,28 +122,43 @@ def test_activity_regularisers_and_add_loss_count_as_in_keras():
 
 
 def test_dict_model_matches_keras_fit_and_reports_keras_keys():
+    """BatchNormalization, Dropout, an Embedding and L2 on dict inputs: plain SGD, the same global batches.
+
+    One device: Keras' model.fit exactly. Two replicas: Keras' own model.fit under a 2-replica
+    MirroredStrategy (per-replica batch statistics and Dropout masks are then the same), for the
+    trainable weights and the training logs; the BatchNormalization moving statistics, which tfdist
+    averages over the replicas once per execution, differ from Keras' per-replica updates (measured
+    8e-3), and with them the validation figures.
+    """
     features = EXAMPLE.features
-    train_x, val_x = features(DIGITS.train_images), features(DIGITS.eval_images)
-    keras.utils.set_random_seed(0)
-    reference = EXAMPLE.build_model()
-    reference.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
-    expected = reference.fit(train_x, DIGITS.train_labels, batch_size=64, epochs=3, verbose=0,
-                             validation_data=(val_x, DIGITS.eval_labels)).history
-    results = {}
-    for name, options in (("default", {}), ("mirrored", {"num_cpu_replicas": 2, **MIRRORED})):
-        strategy = tfdist.make_strategy(name, precision="float32", **options)
+    train = tf.data.Dataset.from_tensor_slices((features(DIGITS.train_images[:2048]), DIGITS.train_labels[:2048]))
+    train = train.batch(64, drop_remainder=True)
+    val = tf.data.Dataset.from_tensor_slices((features(DIGITS.eval_images[:512]), DIGITS.eval_labels[:512])).batch(64)
+
+    def compiled(strategy):
         with strategy.scope():
             model = EXAMPLE.build_model()
-            model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy",
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
                           metrics=["accuracy"])
-        history = tfdist.fit(model, train_x, DIGITS.train_labels, batch_size=64, epochs=3, verbose=0,
-                             validation_data=(val_x, DIGITS.eval_labels)).history
-        assert set(history) == set(expected)
-        assert len(history["loss"]) == 3
-        results[name] = history["val_accuracy"][-1]
-        assert abs(results[name] - expected["val_accuracy"][-1]) <= 0.02, (results, expected)
-    assert min(results.values()) >= 0.9
+        return model
+
+    keras_mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                                    cross_device_ops=tf.distribute.ReductionToOneDevice())
+    for name, options, keras_strategy in (("default", {}, tf.distribute.get_strategy()),
+                                          ("mirrored", {"num_cpu_replicas": 2, **MIRRORED}, keras_mirrored)):
+        reference = compiled(keras_strategy)
+        expected = reference.fit(train, epochs=2, verbose=0, validation_data=val, shuffle=False).history
+        strategy = tfdist.make_strategy(name, precision="float32", **options)
+        model = compiled(strategy)
+        history = tfdist.fit(model, train, epochs=2, verbose=0, validation_data=val, strategy=strategy).history
+        assert set(history) == set(expected) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+        same = list(expected) if name == "default" else ["loss", "accuracy"]
+        for key in same:
+            np.testing.assert_allclose(history[key], expected[key], atol=1e-5, err_msg=f"{name} {key}")
+        pairs = zip(model.weights, reference.weights) if name == "default" else \
+            zip(model.trainable_weights, reference.trainable_weights)
+        for a, b in pairs:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"{name} {a.path}")
 
 
 def test_validation_metrics_count_every_example_once():
@@ -282,7 +297,15 @@ def test_a_dataset_function_of_per_replica_batches():
     with strategy.scope():
         model = dense_model()
     history = tfdist.fit(model, dataset_fn, batch_size=64, steps_per_epoch=16, epochs=2, verbose=0)
-    assert history.history["loss"][1] < history.history["loss"][0]
+    # Keras on one device, fed the same global batches in the same order (epoch 2 continues the pass).
+    reference = dense_model()
+    expected = reference.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(64), steps_per_epoch=16, epochs=2,
+                             shuffle=False, verbose=0).history
+    assert history.history.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(history.history[key], expected[key], atol=1e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)  # Measured 2e-7 apart; training moved them 0.44.
     with strategy.scope():
         other = dense_model()
     bad(r"returns batches of 64 examples, but batch_size=64 over 2 replica\(s\) means 32 per replica", other,

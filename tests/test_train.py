@@ -8,9 +8,12 @@ steps per execution) in float32.
 import json
 import os
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import tfdist
 
 from tests.conftest import load_weights
 from tfdist.mnist import data, train
@@ -24,10 +27,17 @@ def run(tmp_path, name="run", **changes):
     return train.train_and_evaluate(config)
 
 
+def assert_evaluated(metrics, examples):
+    """The evaluation itself counted `examples`, and the accuracy is a whole number of them right."""
+    assert metrics["eval_examples"] == examples
+    correct = metrics["eval_accuracy"] * examples
+    assert abs(correct - round(correct)) < 1e-3, (correct, examples)
+
+
 def test_defaults_reach_accuracy_and_fill_the_workdir(tmp_path):
     metrics = run(tmp_path)
     assert metrics["eval_accuracy"] >= 0.97
-    assert metrics["eval_examples"] == 2000
+    assert_evaluated(metrics, 2000)
     assert (metrics["num_replicas"], metrics["num_workers"], metrics["steps"]) == (1, 1, 5 * 62)
     workdir = tmp_path / "run"
     assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "metrics.json",
@@ -65,8 +75,51 @@ def test_mixed_float16_learns_with_loss_scaling(tmp_path):
     metrics = run(tmp_path, precision="mixed_float16", strategy="mirrored", num_cpu_replicas=2,
                   max_steps=40, steps_per_execution=4)
     assert metrics["precision"] == "mixed_float16"
-    assert metrics["loss_scale"] is not None and metrics["loss_scale"] > 1
+    # Keras' initial scale, untouched: no step overflowed, and the scale grows only after 2000 finite steps.
+    # A spurious overflow (a wrong finite check) halves it; 40 steps counted means none was skipped.
+    assert (metrics["loss_scale"], metrics["steps"], metrics["step_counter"]) == (2.0 ** 15, 40, 40)
     assert metrics["last_train_loss"] <= metrics["first_train_loss"] / 2
+
+
+def half_precision_model(initial_scale):
+    half = keras.DTypePolicy("mixed_float16")  # Per layer: Keras' global policy stays as it is.
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)), keras.layers.Flatten(dtype=half),
+        keras.layers.Dense(32, activation="relu", dtype=half, kernel_initializer=keras.initializers.GlorotUniform(0)),
+        keras.layers.Dense(10, dtype="float32", kernel_initializer=keras.initializers.GlorotUniform(1))])
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=initial_scale),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_loss_scaling_skips_overflowing_steps_and_halves_the_scale_as_keras_does(replicas):
+    """At 2**20 the first step's float16 gradients overflow on one device: Keras skips it and halves the scale.
+
+    With 2 replicas each replica's loss is half as large, so nothing overflows: the reference is then Keras'
+    own model.fit under a 2-replica MirroredStrategy (measured: identical weights, 0.0 apart)."""
+    full = data.load_dataset("mnist")
+    batches = tf.data.Dataset.from_tensor_slices(
+        (full.train_images[:1024].astype("float32") / 255.0, full.train_labels[:1024])).batch(64, drop_remainder=True)
+    reference_strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"][:replicas],
+                                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with reference_strategy.scope():
+        reference = half_precision_model(2.0 ** 20)
+    expected = reference.fit(batches, epochs=1, verbose=0, shuffle=False).history
+    skipped = 1 if replicas == 1 else 0
+    assert float(reference.optimizer.dynamic_scale.numpy()) == 2.0 ** (20 - skipped)
+    assert int(reference.optimizer.inner_optimizer.iterations.numpy()) == 16 - skipped
+    name, options = ("default", {}) if replicas == 1 else ("mirrored", {"num_cpu_replicas": 2,
+                                                                      "all_reduce": "reduce_to_one"})
+    strategy = tfdist.make_strategy(name, precision="float32", **options)
+    with strategy.scope():
+        model = half_precision_model(2.0 ** 20)
+    history = tfdist.fit(model, batches, epochs=1, verbose=0, strategy=strategy).history
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0 ** (20 - skipped)
+    assert int(model.optimizer.inner_optimizer.iterations.numpy()) == 16 - skipped
+    assert history["loss"][0] == pytest.approx(expected["loss"][0], abs=1e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_mirrored_two_cpu_replicas_reach_accuracy(tmp_path):
@@ -95,14 +148,14 @@ def test_gradient_accumulation_equals_the_full_batch(tmp_path):
     full = _weights_after(tmp_path, "full")
     accumulated = _weights_after(tmp_path, "accum", grad_accum_steps=4)
     for a, b in zip(full, accumulated):
-        np.testing.assert_allclose(a, b, atol=2e-5)
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_steps_per_execution_does_not_change_training(tmp_path):
     one = _weights_after(tmp_path, "spe1", steps_per_execution=1)
     five = _weights_after(tmp_path, "spe5", steps_per_execution=5)
     for a, b in zip(one, five):
-        np.testing.assert_allclose(a, b, atol=2e-5)
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_evaluation_counts_each_example_once_with_uneven_replicas(tmp_path):
@@ -112,7 +165,8 @@ def test_evaluation_counts_each_example_once_with_uneven_replicas(tmp_path):
     config = TrainConfig(workdir=str(tmp_path / "w"), strategy="mirrored", num_cpu_replicas=3,
                          all_reduce="reduce_to_one", global_batch_size=96, epochs=1)
     metrics = train.train_and_evaluate(config, digits=digits)
-    assert metrics["num_replicas"] == 3 and metrics["eval_examples"] == 1001
+    assert metrics["num_replicas"] == 3
+    assert_evaluated(metrics, 1001)  # 1001 over 3 replicas: padded batches, each real example counted once.
 
 
 def test_resuming_a_finished_run_trains_no_more(tmp_path):
@@ -120,6 +174,9 @@ def test_resuming_a_finished_run_trains_no_more(tmp_path):
     again = run(tmp_path, max_steps=20, checkpoint_every_steps=10)
     assert (again["resumed_from_step"], again["steps"]) == (20, 20)
     assert again["weights_fingerprint"] == first["weights_fingerprint"]
+    # The restored weights were evaluated again, on every held-out digit, to the same result.
+    assert_evaluated(again, 2000)
+    assert again["eval_accuracy"] == first["eval_accuracy"]
 
 
 def test_resume_continues_to_the_same_total(tmp_path):
@@ -198,7 +255,8 @@ def test_tfds_train_split_streams_from_files_and_learns(tmp_path, tiny_digits_di
     assert [len(labels) for _, labels in read] == [500]  # The test split only; the train split is never read whole.
     assert (metrics["train_input"], metrics["steps_per_epoch"], metrics["steps"]) == ("streamed", 31, 3 * 31)
     # Measured 0.936-0.942 over seeds 0-3 (arrays of the same digits: 0.922-0.942).
-    assert metrics["eval_examples"] == 500 and metrics["eval_accuracy"] >= 0.90
+    assert_evaluated(metrics, 500)
+    assert metrics["eval_accuracy"] >= 0.90
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert (plan["dataset"], plan["data"], plan["steps_per_epoch"]) == ("tfds:tiny_digits", "dataset_fn", 31)
 

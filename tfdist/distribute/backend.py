@@ -15,7 +15,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import queue
+import socket
 import threading
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -90,20 +92,59 @@ class Runner:
             except BaseException as e:  # Delivered to whoever fetches it.
                 future.set_exception(e)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ends the thread once the calls already submitted are done (or cancelled).
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Ends the thread once the calls already submitted are done (or cancelled); True if it has ended.
 
         Waits up to `timeout_s` for it: a thread still inside TensorFlow while the
         interpreter shuts down aborts the process. One stuck longer (in a collective
-        whose partners are gone) is left behind rather than hanging the exit.
+        whose partners are gone) is left behind rather than hanging the caller; the
+        exit hook then waits for it once more.
         """
-        if self._closed:
-            return
-        self._closed = True
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        if threading.current_thread() is self._thread:
+            return False
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return False
         atexit.unregister(self.close)
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
+        return True
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+def wait_until_closed(addresses: Sequence[str], timeout_s: float, poll_s: float = 0.1) -> list[str]:
+    """Waits until no process listens at any of `addresses` ("host:port"); returns those still listening.
+
+    A TensorFlow server listens until its process has exited, so this is how a
+    task learns that the others have gone.
+    """
+    deadline = time.monotonic() + timeout_s
+    waiting = list(addresses)
+    while waiting:
+        still = []
+        for address in waiting:
+            host, _, port = address.rpartition(":")
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                    still.append(address)
+            except ConnectionRefusedError:
+                pass  # Nothing listens there any more: that task has exited.
+            except OSError:
+                still.append(address)  # Unreachable or slow: keep asking until the deadline.
+        waiting = still
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    return waiting
+
+
+# How long the coordination-service leader waits at exit for the other tasks to exit.
+LEADER_EXIT_WAIT_S = 60.0
+_LEAVING_LAST: list[str] = []  # Labels of backends whose exit hook is registered (one per process).
 
 
 @dataclasses.dataclass
@@ -301,8 +342,65 @@ class Backend:
         """
         return False
 
+    def release_runner(self, finished: bool = True) -> None:
+        """Ends the step-runner thread; every `tfdist.fit` call does on its way out, returned or raised.
+
+        `dispatch` makes a new one for the next fit on this backend. `finished`
+        (fit returned, or every task stopped together on a preemption request):
+        on a synchronous multi-worker job, the task that hosts TensorFlow's
+        coordination service then waits at exit until the other tasks have exited
+        (`leave_last`).
+        """
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.close()
+        if finished:
+            self.leave_last()
+
+    def leave_last(self) -> None:
+        """On the coordination-service leader of a synchronous multi-worker job: exit after the other tasks.
+
+        Every task of a MultiWorkerMirroredStrategy job heartbeats to the
+        coordination service, which runs inside the leader (worker 0, or the
+        chief). A task still shutting down when the leader has exited sees its
+        heartbeat fail, and TensorFlow aborts its collectives while the
+        interpreter tears down: the process can die with SIGABRT after its work
+        is done. So the leader, at exit, waits (up to `LEADER_EXIT_WAIT_S`) until
+        no other task's server listens any more.
+        """
+        others = self._coordinated_peers()
+        if not others or _LEAVING_LAST:
+            return
+        _LEAVING_LAST.append(self.task_label)
+        label = self.task_label
+
+        def wait_for_the_others() -> None:
+            from absl import logging
+
+            start = time.monotonic()
+            left = wait_until_closed(others, LEADER_EXIT_WAIT_S)
+            if left:
+                logging.warning("[%s] exiting although the task(s) at %s still run after %.0f s.", label,
+                                ", ".join(left), LEADER_EXIT_WAIT_S)
+            elif time.monotonic() - start > 1.0:
+                logging.info("[%s] waited %.1f s for the other tasks to exit (they heartbeat to the coordination "
+                             "service in this task).", label, time.monotonic() - start)
+
+        atexit.register(wait_for_the_others)
+
+    def _coordinated_peers(self) -> list[str]:
+        """The other training tasks' addresses, if this task hosts the job's coordination service."""
+        if not self.all_tasks_save or self.num_workers < 2 or self.cluster.task_type not in ("chief", "worker"):
+            return []
+        from tensorflow.python.eager import context
+
+        config = context.context().coordination_service
+        me = f"/job:{self.cluster.task_type}/replica:0/task:{self.cluster.task_index}"
+        if config is None or config.service_leader != me:
+            return []
+        return [address for job in ("chief", "worker") for i, address in enumerate(self.cluster.cluster.get(job, ()))
+                if (job, i) != (self.cluster.task_type, self.cluster.task_index)]
+
     def shutdown(self) -> None:
         """Releases cluster resources at the end of a run."""
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        self.release_runner(finished=False)

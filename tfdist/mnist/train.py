@@ -135,7 +135,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         "step_counter": result.device_step_count,
         "eval_loss": result.val_logs.get("val_loss"),
         "eval_accuracy": result.val_logs.get("val_accuracy"),
-        "eval_examples": digits.num_eval,
+        "eval_examples": result.val_examples,  # Counted by the evaluation itself.
         "first_train_loss": result.first_loss,
         "last_train_loss": result.last_loss,
         "loss_scale": float(optimizer.dynamic_scale.numpy())

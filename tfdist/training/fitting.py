@@ -11,6 +11,7 @@ the problem and the fix, before any training step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -25,7 +26,7 @@ from tfdist.training import inputs, steps as steps_lib
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training.loop import Controller, LoopPlan, LoopResult
+from tfdist.training.loop import Controller, LoopPlan, LoopResult, Preempted
 
 PLAN_FILE = "plan.json"
 
@@ -327,6 +328,27 @@ def plan_replicas(plan: LoopPlan) -> int:
 
 
 # The public function ---------------------------------------------------------------
+def _releasing_the_runner(fit_fn: Any) -> Any:
+    """Each fit call ends its backend's step-runner thread on the way out, whether it returns or raises."""
+    @functools.wraps(fit_fn)
+    def fit_and_release(*args: Any, **kwargs: Any) -> Any:
+        finished = False
+        try:
+            history = fit_fn(*args, **kwargs)
+            finished = True
+            return history
+        except Preempted:
+            finished = True  # Every task stopped together and saved.
+            raise
+        finally:
+            backend = strategies.backend_of(kwargs["strategy"]) if kwargs.get("strategy") is not None \
+                else strategies.current_backend()
+            if backend is not None:
+                backend.release_runner(finished=finished)
+    return fit_and_release
+
+
+@_releasing_the_runner
 def fit(
     model: keras.Model,
     x: Any = None,

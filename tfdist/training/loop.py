@@ -160,6 +160,7 @@ class LoopResult:
     examples_per_sec: Optional[float]
     epoch_seconds: list[float]
     device_step_count: Optional[int]
+    val_examples: Optional[int] = None  # Examples the last evaluation counted (None: no evaluation ran).
 
 
 class Controller:
@@ -212,6 +213,7 @@ class Controller:
         # a batch-level EarlyStopping) takes effect before the next execution, as in Keras.
         self.batch_hooks = has_batch_hooks(callbacks)
         self.in_flight = 1 if self.batch_hooks and not backend.asynchronous else backend.max_in_flight
+        self.val_examples: Optional[int] = None
 
     # Agreement ----------------------------------------------------------------
     def check_agreement(self, step: int, precision: str) -> None:
@@ -246,6 +248,7 @@ class Controller:
         count = int(round(float(totals[0])))
         if self.eval_examples is not None and count != self.eval_examples:
             raise RuntimeError(f"Evaluation counted {count} examples, expected {self.eval_examples}.")
+        self.val_examples = count
         return self.steps.layout.results(totals, prefix="val_")
 
     def run(self, start_step: int) -> LoopResult:
@@ -401,7 +404,7 @@ class Controller:
             first_loss=first_loss, last_loss=last_loss,
             examples_per_sec=(steady_examples / steady_seconds) if steady_seconds else None,
             epoch_seconds=[round(epoch_seconds[e], 4) for e in sorted(epoch_seconds)],
-            device_step_count=None,
+            device_step_count=None, val_examples=self.val_examples,
         )
 
 
