@@ -88,3 +88,19 @@ def test_wait_until_closed_returns_once_nothing_listens():
     start = time.monotonic()
     assert backend_lib.wait_until_closed([address], timeout_s=30) == []
     assert time.monotonic() - start < 5
+
+
+def test_strategies_a_notebook_drops_take_their_backends_with_them():
+    import gc
+    import weakref
+
+    from tfdist.distribute import strategies
+
+    made = []
+    for _ in range(3):  # Each a new strategy object (the default strategy is one global object).
+        strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32")
+        made.append(weakref.ref(strategies.backend_of(strategy)))
+        del strategy
+    gc.collect()
+    alive = [ref() for ref in made if ref() is not None]
+    assert alive == [strategies.current_backend()]  # Only the newest, which fit uses by default.

@@ -307,7 +307,7 @@ def _horovod(config: StrategyOptions) -> Backend:
 
 
 # The public factory ------------------------------------------------------------------
-_BACKENDS: dict[int, Backend] = {}
+BACKEND_ATTRIBUTE = "_tfdist_backend"
 _CURRENT: list[Backend] = []
 STRATEGY_OPTIONS = ("num_gpus", "num_cpu_replicas", "all_reduce", "all_reduce_dtype", "all_reduce_pack_mb",
                     "collective_timeout_s", "tpu", "tpu_zone",
@@ -315,14 +315,18 @@ STRATEGY_OPTIONS = ("num_gpus", "num_cpu_replicas", "all_reduce", "all_reduce_dt
 
 
 def remember(backend: Backend) -> None:
-    """Makes `backend` the one `tfdist.fit` uses by default (and for its strategy object)."""
-    _BACKENDS[id(backend.public_strategy)] = backend
+    """Makes `backend` the one `tfdist.fit` uses by default (and for its strategy object).
+
+    The backend hangs on the strategy object tfdist made, so both go once the caller drops the
+    strategy and a newer `make_strategy` replaced it (no registry keeps every one of a notebook's).
+    """
+    setattr(backend.public_strategy, BACKEND_ATTRIBUTE, backend)
     _CURRENT[:] = [backend]
 
 
 def backend_of(strategy: object) -> Backend | None:
-    backend = _BACKENDS.get(id(strategy))
-    return backend if backend is not None and backend.public_strategy is strategy else None
+    backend = getattr(strategy, BACKEND_ATTRIBUTE, None)
+    return backend if isinstance(backend, Backend) and backend.public_strategy is strategy else None
 
 
 def current_backend() -> Backend:
