@@ -206,6 +206,15 @@ class Backend:
     def compile(self, fn: Callable) -> Callable:
         return tf.function(fn)
 
+    def apply_step(self, apply: Callable[[], Any], counter: tf.Variable) -> None:
+        """Applies one replica step's updates (`apply`) and counts the step in `counter` (compiled, per replica).
+
+        The parameter-server backend overrides it: there an execution may run
+        again on another worker, and only the steps not yet applied are.
+        """
+        apply()
+        counter.assign_add(1)
+
     @property
     def single_controller(self) -> bool:
         """Whether one process drives the whole job (else every worker runs the loop in lockstep)."""
