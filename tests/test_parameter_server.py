@@ -6,7 +6,9 @@ killed, SIGTERM to the launcher) are provoked for real.
 """
 
 import json
+import os
 import re
+import signal
 import sys
 import time
 
@@ -58,6 +60,22 @@ def test_concurrent_workers_lose_no_update():
                                               "tests/programs/ps_counts.py"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[chief:0] applied=300 iterations=300 calls=300 expected=300" in result.stdout, result.stdout[-3000:]
+
+
+def test_killed_worker_applies_each_step_once_and_the_counter_never_goes_back(tmp_path):
+    # The coordinator re-runs an execution whose worker died from its first step, while the steps the dead
+    # worker finished are already on the ps: 2037 steps were applied against 2000 counted, and each save
+    # assigned the chief's count into the on-ps counter, backwards. The program's input sleeps per batch, so
+    # the kill (half an execution after the first one finished) lands mid-execution.
+    program = [sys.executable, "tests/programs/ps_kill.py", str(tmp_path / "w")]
+    job = Job(tmp_path, [], launch_args=["--num_ps=1"], wrap=lambda command: command[:command.index("--") + 1] + program)
+    job.wait_for(r"epoch 1: step 5/20")
+    time.sleep(0.35)
+    os.kill(job.pids()["worker:1"], signal.SIGKILL)
+    assert job.wait(timeout=120) == 0, job.output[-4000:]
+    assert "worker:1 was killed by SIGKILL" in job.output
+    assert "applied=40 counter=40 iterations=40 expected=40 drops=0" in job.output, job.output[-4000:]
+    assert latest_checkpoint_step(tmp_path / "w") == 40
 
 
 def ps_job(tmp_path, *args, num_ps=1, launch_args=()):

@@ -15,8 +15,10 @@ import threading
 import time
 
 import keras
+from absl import logging
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.data.experimental.ops.testing import sleep as sleep_per_element  # A SleepDataset.
 
 import tfdist
 
@@ -26,7 +28,7 @@ SLEEP_US = 150_000  # Per batch: an execution takes about 0.75 s.
 
 def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
     x = tf.ones((8, 1))
-    return tf.data.Dataset.from_tensors((x, tf.zeros_like(x))).repeat().apply(tf.data.experimental.sleep(SLEEP_US))
+    return tf.data.Dataset.from_tensors((x, tf.zeros_like(x))).repeat().apply(sleep_per_element(SLEEP_US))
 
 
 def sample(counter: tf.Variable, seen: list, done: threading.Event) -> None:
@@ -37,6 +39,7 @@ def sample(counter: tf.Variable, seen: list, done: threading.Event) -> None:
 
 def main() -> None:
     workdir = sys.argv[1]
+    logging.set_verbosity(logging.INFO)  # tfdist's progress lines ("epoch 1: step 5/20"), which the test waits for.
     strategy = tfdist.make_strategy("auto", precision="float32")
     with strategy.scope():
         inputs = keras.Input((1,))
