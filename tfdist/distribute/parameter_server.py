@@ -203,10 +203,10 @@ class ParameterServerBackend(Backend):
     def compile(self, fn: Callable) -> Callable:
         return SlottedFunction(fn, self)
 
-    def apply_step(self, apply: Callable[[], Any], counter: tf.Variable) -> None:
+    def apply_step(self, apply: Callable[[], Any], counter: tf.Variable, ready: Sequence[Any] = ()) -> None:
         tracing = self._tracing
         if tracing is None:  # Not a scheduled execution.
-            return super().apply_step(apply, counter)
+            return super().apply_step(apply, counter, ready)
         slots, slot = tracing
         strategy = self.strategy
         if strategy.num_replicas_in_sync != 1:
@@ -221,7 +221,12 @@ class ParameterServerBackend(Backend):
                 apply()
             counter.assign_add(1)
 
-        tf.cond(slots.claim(slot), step, lambda: None)
+        # The claim waits for the gradients: nothing else orders it after the step's input and
+        # forward pass, and a claim made while a worker still waits for its batch is a step lost
+        # with that worker. What is left: the ps round trip from the claim to the updates.
+        with tf.control_dependencies(tf.nest.flatten([g for g in ready if g is not None], expand_composites=True)):
+            claimed = slots.claim(slot)
+        tf.cond(claimed, step, lambda: None)
 
     def dispatch(self, compiled: Callable, iterator: Any, num_steps: Any, *args: Any) -> Any:
         """Schedules a training execution of `num_steps` steps in a progress slot of its own."""
