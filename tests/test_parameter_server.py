@@ -75,6 +75,8 @@ def test_killed_worker_applies_each_step_once_and_the_counter_never_goes_back(tm
     os.kill(job.pids()["worker:1"], signal.SIGKILL)
     assert job.wait(timeout=120) == 0, job.output[-4000:]
     assert "worker:1 was killed by SIGKILL" in job.output
+    # The kill landed mid-execution: the re-run skipped the steps the dead worker had claimed.
+    assert re.search(r"the [1-4] step\(s\) that worker had claimed were not applied again", job.output), job.output[-4000:]
     assert "applied=40 counter=40 iterations=40 expected=40 drops=0" in job.output, job.output[-4000:]
     assert latest_checkpoint_step(tmp_path / "w") == 40
 

@@ -139,8 +139,14 @@ class ProgressSlots:
         self.variable.scatter_update(tf.IndexedSlices(tf.constant([-num_steps], tf.int64), tf.constant([slot])))
         return slot
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int) -> int:
+        """Frees the slot of a finished execution; returns how many claims its lost runs had made.
+
+        A run that finishes claims every one of its steps, so the count above
+        zero is what runs on workers that died had claimed (steps not applied again).
+        """
         self.free.append(slot)
+        return int(self.variable.sparse_read([slot])[0])
 
     def claim(self, slot: tf.Tensor) -> tf.Tensor:
         """Claims one step of the execution in `slot` (compiled); True where it is the step's to apply."""
@@ -237,15 +243,19 @@ class ParameterServerBackend(Backend):
             handle = self.coordinator.schedule(compiled.function, args=(iterator, num_steps, *args),
                                                kwargs={"slot": tf.constant(slot, tf.int32)})
         except BaseException:
-            compiled.slots.release(slot)
+            compiled.slots.free.append(slot)
             raise
         self._in_flight[id(handle)] = (handle, compiled.slots, slot)
         return handle
 
     def _finished(self, handle: Any) -> None:
         entry = self._in_flight.pop(id(handle), None)
-        if entry is not None:
-            entry[1].release(entry[2])
+        if entry is None:
+            return
+        skipped = entry[1].release(entry[2])
+        if skipped > 0:
+            logging.warning("An execution ran again after its worker was lost; the %d step(s) that worker had "
+                            "claimed were not applied again.", skipped)
 
     def fetch(self, handle: Any) -> "np.ndarray | None":
         try:
