@@ -29,9 +29,10 @@ step unapplied or partly applied.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -136,7 +137,8 @@ class ProgressSlots:
             raise RuntimeError("No free progress slot: more executions in flight than max_in_flight.")
         slot = self.free.pop()
         # Eager ops on the chief are synchronous here: the slot is set before the function is scheduled.
-        self.variable.scatter_update(tf.IndexedSlices(tf.constant([-num_steps], tf.int64), tf.constant([slot])))
+        with self._naming_the_ps():
+            self.variable.scatter_update(tf.IndexedSlices(tf.constant([-num_steps], tf.int64), tf.constant([slot])))
         return slot
 
     def release(self, slot: int) -> int:
@@ -146,7 +148,17 @@ class ProgressSlots:
         zero is what runs on workers that died had claimed (steps not applied again).
         """
         self.free.append(slot)
-        return int(self.variable.sparse_read([slot])[0])
+        with self._naming_the_ps():
+            return int(self.variable.sparse_read([slot])[0])
+
+    @contextlib.contextmanager
+    def _naming_the_ps(self) -> Iterator[None]:
+        """A lost ps fails the chief's own reads and writes with errors naming the chief; name the ps."""
+        try:
+            yield
+        except tf.errors.UnavailableError as e:
+            raise tf.errors.UnavailableError(None, None, f"The parameter server {self.variable.device} (progress "
+                                                         f"slots) is unreachable: {e.message}") from e
 
     def claim(self, slot: tf.Tensor) -> tf.Tensor:
         """Claims one step of the execution in `slot` (compiled); True where it is the step's to apply."""
