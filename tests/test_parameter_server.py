@@ -6,11 +6,14 @@ killed, SIGTERM to the launcher) are provoked for real.
 """
 
 import json
+import os
 import re
+import signal
 import sys
 import time
 
 import pytest
+import tensorflow as tf
 
 from tests.conftest import run_module
 from tests.test_launch import Job, alive, latest_checkpoint_step
@@ -60,6 +63,24 @@ def test_concurrent_workers_lose_no_update():
     assert "[chief:0] applied=300 iterations=300 calls=300 expected=300" in result.stdout, result.stdout[-3000:]
 
 
+def test_killed_worker_applies_each_step_once_and_the_counter_never_goes_back(tmp_path):
+    # The coordinator re-runs an execution whose worker died from its first step, while the steps the dead
+    # worker finished are already on the ps: 2037 steps were applied against 2000 counted, and each save
+    # assigned the chief's count into the on-ps counter, backwards. The program's input sleeps per batch, so
+    # the kill (half an execution after the first one finished) lands mid-execution.
+    program = [sys.executable, "tests/programs/ps_kill.py", str(tmp_path / "w")]
+    job = Job(tmp_path, [], launch_args=["--num_ps=1"], wrap=lambda command: command[:command.index("--") + 1] + program)
+    job.wait_for(r"epoch 1: step 5/20")
+    time.sleep(0.35)
+    os.kill(job.pids()["worker:1"], signal.SIGKILL)
+    assert job.wait(timeout=120) == 0, job.output[-4000:]
+    assert "worker:1 was killed by SIGKILL" in job.output
+    # The kill landed mid-execution: the re-run skipped the steps the dead worker had claimed.
+    assert re.search(r"the [1-4] step\(s\) that worker had claimed were not applied again", job.output), job.output[-4000:]
+    assert "applied=40 counter=40 iterations=40 expected=40 drops=0" in job.output, job.output[-4000:]
+    assert latest_checkpoint_step(tmp_path / "w") == 40
+
+
 def ps_job(tmp_path, *args, num_ps=1, launch_args=()):
     return Job(tmp_path, ["--strategy=parameter_server", f"--workdir={tmp_path / 'w'}", *args],
                launch_args=[f"--num_ps={num_ps}", *launch_args])
@@ -69,12 +90,19 @@ def metrics(tmp_path):
     return json.loads((tmp_path / "w" / "metrics.json").read_text())
 
 
+def applied_steps(tmp_path) -> tuple:
+    """Counts the steps themselves produced: the on-ps step counter at the end, and the optimizer's
+    iterations in the last checkpoint (incremented by each optimizer update, atomically on this path)."""
+    reader = tf.train.load_checkpoint(str(tmp_path / "w" / "checkpoints"))
+    return metrics(tmp_path)["step_counter"], int(reader.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"))
+
+
 def test_two_workers_one_ps_train_and_every_task_exits_cleanly(tmp_path):
     job = ps_job(tmp_path)
     assert job.wait() == 0, job.output[-4000:]
     m = metrics(tmp_path)
     assert (m["strategy"], m["num_workers"], m["steps"]) == ("parameter_server", 2, 310)
-    assert m["step_counter"] == 310  # What the steps counted equals what was scheduled and finished.
+    assert applied_steps(tmp_path) == (310, 310)  # What the steps counted equals what was scheduled and finished.
     assert m["eval_accuracy"] >= 0.97 and m["eval_examples"] == 2000
     for task in ("worker:0", "worker:1", "ps:0"):
         assert f"[{task}] [{task}] served until the chief finished" in job.output
@@ -101,6 +129,7 @@ def test_killed_worker_does_not_stop_training(tmp_path):
     assert "tfdist-launch: worker:1 was killed by SIGKILL; the chief carries on with the other workers." in job.output
     m = metrics(tmp_path)
     assert m["steps"] == 310 and m["eval_accuracy"] >= 0.97
+    assert applied_steps(tmp_path) == (310, 310)  # The re-run execution applied only what the dead worker had not.
 
 
 def test_restarted_worker_rejoins(tmp_path):
@@ -110,7 +139,7 @@ def test_restarted_worker_rejoins(tmp_path):
     assert "worker:0 was killed by SIGKILL; restarting it (1 of 1)" in job.output
     assert len(re.findall(r"started worker:0 \(pid", job.output)) == 2
     assert "[worker:0] [worker:0] served until the chief finished" in job.output
-    assert metrics(tmp_path)["steps"] == 310
+    assert metrics(tmp_path)["steps"] == 310 and applied_steps(tmp_path) == (310, 310)
 
 
 def test_lost_parameter_server_fails_the_job_then_relaunch_resumes(tmp_path):
@@ -127,6 +156,7 @@ def test_lost_parameter_server_fails_the_job_then_relaunch_resumes(tmp_path):
     assert "Resuming from checkpoint" in again.output and f"at step {step}." in again.output
     m = metrics(tmp_path)
     assert (m["resumed_from_step"], m["steps"]) == (step, 310) and m["eval_accuracy"] >= 0.97
+    assert applied_steps(tmp_path) == (310, 310)
 
 
 def test_sigterm_checkpoints_on_the_chief(tmp_path):

@@ -247,6 +247,16 @@ class Backend:
     def compile(self, fn: Callable) -> Callable:
         return tf.function(fn)
 
+    def apply_step(self, apply: Callable[[], Any], counter: tf.Variable, ready: Sequence[Any] = ()) -> None:
+        """Applies one replica step's updates (`apply`) and counts the step in `counter` (compiled, per replica).
+
+        `ready`: the step's gradients (None entries allowed). The parameter-server
+        backend overrides it: there an execution may run again on another worker,
+        and it applies only the steps not yet applied, deciding once `ready` is.
+        """
+        apply()
+        counter.assign_add(1)
+
     @property
     def single_controller(self) -> bool:
         """Whether one process drives the whole job (else every worker runs the loop in lockstep)."""

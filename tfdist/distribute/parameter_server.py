@@ -10,17 +10,29 @@ chief has finished, then exit 0.
 
 Evaluation runs inline on the chief (every held-out example exactly once;
 scheduling onto workers cannot guarantee that). Steps are counted on the chief
-as scheduled functions finish, which is exact; the ClusterCoordinator
-re-schedules a function whose worker died, so training carries on when a
-worker is lost, and a restarted worker rejoins. A lost parameter server fails
-the job with an error naming it; relaunching resumes from the last checkpoint.
+as scheduled functions finish; the ClusterCoordinator re-schedules a function
+whose worker died, so training carries on when a worker is lost, and a
+restarted worker rejoins. A lost parameter server fails the job with an error
+naming it; relaunching resumes from the last checkpoint.
+
+A re-scheduled function runs again from its first step, while the steps the
+dead worker finished are already in the variables. So each scheduled execution
+gets a *slot* in a progress vector on the ps (`ProgressSlots`): the chief sets
+it to minus the execution's step count, each step claims one (an increment on
+the ps) once its gradients are ready and applies its updates (and counts
+itself in the step counter) only if its claim is within the count. A re-run
+thus applies only the steps the dead worker had not claimed, and the steps
+applied equal the steps counted. What is left: a worker killed between its
+claim and the end of that step's updates (one ps round trip) leaves that one
+step unapplied or partly applied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -106,6 +118,81 @@ class ServerTask(Backend):
         return True
 
 
+class ProgressSlots:
+    """One progress counter per execution in flight, on the ps: a re-run applies only unclaimed steps.
+
+    `acquire` sets a free slot to minus the execution's step count; each step
+    adds one and applies only if the sum is still at most 0. A slot is free
+    again once its execution has finished (its result fetched); an abandoned
+    execution keeps its slot, since it may still be running.
+    """
+
+    def __init__(self, strategy: Any, size: int):
+        with strategy.scope():
+            self.variable = tf.Variable(tf.zeros([size], tf.int64), trainable=False, name="tfdist_progress")
+        self.free = list(range(size))[::-1]
+
+    def acquire(self, num_steps: int) -> int:
+        if not self.free:
+            raise RuntimeError("No free progress slot: more executions in flight than max_in_flight.")
+        slot = self.free.pop()
+        # Eager ops on the chief are synchronous here: the slot is set before the function is scheduled.
+        with self._naming_the_ps():
+            self.variable.scatter_update(tf.IndexedSlices(tf.constant([-num_steps], tf.int64), tf.constant([slot])))
+        return slot
+
+    def release(self, slot: int) -> int:
+        """Frees the slot of a finished execution; returns how many claims its lost runs had made.
+
+        A run that finishes claims every one of its steps, so the count above
+        zero is what runs on workers that died had claimed (steps not applied again).
+        """
+        self.free.append(slot)
+        with self._naming_the_ps():
+            return int(self.variable.sparse_read([slot])[0])
+
+    @contextlib.contextmanager
+    def _naming_the_ps(self) -> Iterator[None]:
+        """A lost ps fails the chief's own reads and writes with errors naming the chief; name the ps."""
+        try:
+            yield
+        except tf.errors.UnavailableError as e:
+            raise tf.errors.UnavailableError(None, None, f"The parameter server {self.variable.device} (progress "
+                                                         f"slots) is unreachable: {e.message}") from e
+
+    def claim(self, slot: tf.Tensor) -> tf.Tensor:
+        """Claims one step of the execution in `slot` (compiled); True where it is the step's to apply."""
+        one = tf.IndexedSlices(tf.ones([1], tf.int64), tf.reshape(slot, [1]))
+        return tf.gather(self.variable.scatter_add(one), slot) <= 0
+
+
+class SlottedFunction:
+    """A compiled execution whose scheduled runs each claim their steps from a progress slot.
+
+    Called directly (evaluation on the chief) it runs without one; each
+    `ParameterServerBackend.dispatch` passes the slot it acquired from `slots`
+    (made at the first dispatch, so one per compiled function: a failed run's
+    abandoned slots never reach the next run's).
+    """
+
+    def __init__(self, fn: Callable, backend: "ParameterServerBackend"):
+        self.fn = fn
+        self.backend = backend
+        self.slots: ProgressSlots | None = None
+        self.function = tf.function(self._execution)
+
+    def _execution(self, *args: Any, slot: Any = None) -> Any:
+        backend = self.backend
+        backend._tracing = None if slot is None else (self.slots, slot)  # Read by `apply_step` while tracing.
+        try:
+            return self.fn(*args)
+        finally:
+            backend._tracing = None
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
+
+
 class ParameterServerBackend(Backend):
     """The chief of a parameter-server job: coordinator and single controller."""
 
@@ -115,6 +202,8 @@ class ParameterServerBackend(Backend):
                          description=f"ParameterServerStrategy: chief, {len(info.cluster['worker'])} worker(s), "
                                      f"{info.num_ps} ps task(s)")
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        self._in_flight: dict[int, tuple[Any, ProgressSlots, int]] = {}  # id(handle) -> (handle, slots, slot).
+        self._tracing: tuple[ProgressSlots, tf.Tensor] | None = None  # Set while a scheduled execution is traced.
 
     @property
     def num_workers(self) -> int:
@@ -129,12 +218,62 @@ class ParameterServerBackend(Backend):
         return self.coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(dataset_fn))
 
-    def dispatch(self, compiled: Callable, *args: Any) -> Any:
-        return self.coordinator.schedule(compiled, args=args)
+    def compile(self, fn: Callable) -> Callable:
+        return SlottedFunction(fn, self)
+
+    def apply_step(self, apply: Callable[[], Any], counter: tf.Variable, ready: Sequence[Any] = ()) -> None:
+        tracing = self._tracing
+        if tracing is None:  # Not a scheduled execution.
+            return super().apply_step(apply, counter, ready)
+        slots, slot = tracing
+        strategy = self.strategy
+        if strategy.num_replicas_in_sync != 1:
+            raise UserError(f"tfdist's parameter-server path runs one replica per worker; this strategy has "
+                            f"{strategy.num_replicas_in_sync}. Give each worker one device (CUDA_VISIBLE_DEVICES).")
+
+        def step() -> None:
+            # Inside a cond branch the strategy's own replica context refuses the optimizer's
+            # merge_call (tf.distribute's mirrored_run); with one replica per worker the plain
+            # replica context does what it would do: run the update in cross-replica context.
+            with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
+                apply()
+            counter.assign_add(1)
+
+        # The claim waits for the gradients: nothing else orders it after the step's input and
+        # forward pass, and a claim made while a worker still waits for its batch is a step lost
+        # with that worker. What is left: the ps round trip from the claim to the updates.
+        with tf.control_dependencies(tf.nest.flatten([g for g in ready if g is not None], expand_composites=True)):
+            claimed = slots.claim(slot)
+        tf.cond(claimed, step, lambda: None)
+
+    def dispatch(self, compiled: Callable, iterator: Any, num_steps: Any, *args: Any) -> Any:
+        """Schedules a training execution of `num_steps` steps in a progress slot of its own."""
+        if compiled.slots is None:
+            compiled.slots = ProgressSlots(self.strategy, self.max_in_flight)
+        slot = compiled.slots.acquire(int(num_steps))
+        try:
+            handle = self.coordinator.schedule(compiled.function, args=(iterator, num_steps, *args),
+                                               kwargs={"slot": tf.constant(slot, tf.int32)})
+        except BaseException:
+            compiled.slots.free.append(slot)
+            raise
+        self._in_flight[id(handle)] = (handle, compiled.slots, slot)
+        return handle
+
+    def _finished(self, handle: Any) -> None:
+        entry = self._in_flight.pop(id(handle), None)
+        if entry is None:
+            return
+        skipped = entry[1].release(entry[2])
+        if skipped > 0:
+            logging.warning("An execution ran again after its worker was lost; the %d step(s) that worker had "
+                            "claimed were not applied again.", skipped)
 
     def fetch(self, handle: Any) -> "np.ndarray | None":
         try:
-            return np.asarray(handle.fetch())
+            result = np.asarray(handle.fetch())
+            self._finished(handle)
+            return result
         except tf.errors.UnavailableError as e:
             # The coordinator re-runs a function whose worker died before finishing
             # it, so a failure here means the function finished and its result was
@@ -145,10 +284,12 @@ class ParameterServerBackend(Backend):
                 raise
             logging.warning("A worker died holding the loss/accuracy of steps it had finished; those steps "
                             "count, their metrics are left out of this epoch's averages.")
+            self._finished(handle)
             return None
 
     def abandon(self, handle: Any, wait: bool) -> None:
-        """Scheduled functions finish on the workers; the chief does not wait for them."""
+        """Scheduled functions finish on the workers; the chief does not wait for them (nor reuses their slots)."""
+        self._in_flight.pop(id(handle), None)
 
     def distribute_eval_dataset(self, dataset_fn: Callable) -> Iterable:
         return dataset_fn(tf.distribute.InputContext())

@@ -604,8 +604,15 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
     def save(step: int) -> Optional[str]:
         if manager is None or not (backend.is_chief or backend.all_tasks_save):
             return None
-        step_functions.device_step_count = int(step_counter.numpy())
-        step_counter.assign(step)
+        # Saves come after every dispatched execution has finished, so the steps applied (the counter the
+        # steps increment) are the steps counted. Fewer: a step was cut short with a killed worker (see the
+        # README); the checkpoint records the count the run goes on from. Never assigned backwards.
+        applied = step_functions.device_step_count = int(step_counter.numpy())
+        if applied != step:
+            logging.warning("%d step(s) applied to the variables against %d counted; the checkpoint records %d.",
+                            applied, step, max(applied, step))
+        if applied < step:
+            step_counter.assign(step)
         path = rundir.save_checkpoint(manager, step)  # A failed write: WriteError, the last good one kept.
         if backend.is_chief:
             logging.info("Saved checkpoint %s at step %d.", path, step)
