@@ -7,6 +7,10 @@ are not summed twice, and the float16 finite check needs no extra collective:
 it reads the already all-reduced gradients.
 """
 
+import json
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -14,7 +18,8 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.training import steps as steps_lib
-from tfdist.distribute import strategies
+from tests.conftest import REPO
+from tfdist.distribute import horovod_support, strategies
 from tfdist.distribute.backend import tf_variable
 
 MIRRORED = {"all_reduce": "reduce_to_one"}  # In-process strategies: see test_fitting.py.
@@ -282,3 +287,16 @@ def test_frozen_weights_are_not_all_reduced_and_batch_norm_statistics_agree():
         first, second = backend.local_replica_values(variable)
         np.testing.assert_array_equal(first, second)
         assert np.abs(first).sum() > 0
+
+
+@pytest.mark.skipif(not horovod_support.is_horovod_available(),
+                    reason="needs horovod (the tests-tf2.18-horovod nox session)")
+def test_horovod_ranks_scale_losses_as_one_device(tmp_path):
+    from tests.test_horovod import horovodrun
+
+    result = horovodrun([sys.executable, os.path.join(REPO, "tests", "scaling_probe.py"), str(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for case in ("compute_loss_mean", "sum_accumulated"):
+            assert report[case]["max_diff"] < 1e-5 and report[case]["moved"] > 1e-2, (rank, case, report)
