@@ -130,8 +130,9 @@ class _RecordingScope(StatelessScope):
 def _forward_losses(model: keras.Model) -> list:
     """The ``add_loss`` values (activity regularisers included) of the forward pass just run.
 
-    Outside a `StatelessScope` Keras keeps them on the layers; inside one (the
-    parameter-server path) in the scope, filtered by layer, as Keras filters them.
+    Outside a `StatelessScope` (evaluation) Keras keeps them on the layers; inside
+    one (the training step's recording scope) in the scope, filtered by layer, as
+    Keras filters them.
     """
     return [loss for layer in model._flatten_layers(include_self=True) for loss in layer._get_own_losses()]
 
@@ -141,18 +142,19 @@ def _model_losses(model: keras.Model, added: list) -> Iterator[None]:
     """Makes ``model.losses`` inside a `StatelessScope` what Keras' own steps see.
 
     Inside a scope Keras looks for ``add_loss`` values in the scope, where a
-    forward pass run outside it left none: without this, activity regularisers
+    forward pass run outside it (or in another scope) left none: without this, activity regularisers
     and ``add_loss`` terms would silently drop out of the loss. Weight
     regularisers are computed here, inside the scope, as Keras computes them.
     """
     if not added:
         yield
         return
+    before = model._losses_override
     model._losses_override = list(added) + model._get_regularization_losses()
     try:
         yield
     finally:
-        model._losses_override = []
+        model._losses_override = before
 
 
 def _write_state(scope: _RecordingScope, before: dict, atomic: bool) -> None:
@@ -280,9 +282,10 @@ class StepFunctions:
         Keras sees one replica, so compute_loss returns Keras' one-device loss of
         this batch. With ``share`` (training: ``n_part / n_global``) ``loss`` is this
         part's share of the global batch's loss (what the gradient is taken of) and
-        ``unscaled`` the global-batch loss it stands for, ``loss / share`` (what the
-        loss metric averages, weighted by the part's examples). Without it both are
-        the one-device loss of the batch.
+        ``unscaled`` is ``loss / share``, what the loss metric averages weighted by
+        the part's examples: for a mean loss the part's one-device loss, for a sum
+        the global batch's loss the part stands for. Without ``share`` (evaluation)
+        both are the one-device loss of the batch.
         """
         model, layout = self.model, self.layout
         zeros = layout.zeros()
