@@ -218,7 +218,7 @@ def loss_kind(model: keras.Model, parts: int) -> str:
     """
     compiled = getattr(model, "_compile_loss", None)
     flat = getattr(compiled, "_flat_losses", None) or []
-    reductions = [getattr(entry.loss, "reduction", "sum_over_batch_size") for entry in flat]
+    reductions = [getattr(getattr(entry, "loss", None), "reduction", "sum_over_batch_size") for entry in flat]
     kinds = {"mean" if r in MEAN_REDUCTIONS else "sum" if r == "sum" else None for r in reductions}
     if parts == 1 or not reductions or kinds == {"mean"}:
         return "mean"
