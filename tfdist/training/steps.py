@@ -142,8 +142,8 @@ def _model_losses(model: keras.Model, added: list) -> Iterator[None]:
     """Makes ``model.losses`` inside a `StatelessScope` what Keras' own steps see.
 
     Inside a scope Keras looks for ``add_loss`` values in the scope, where a
-    forward pass run outside it (or in another scope) left none: without this, activity regularisers
-    and ``add_loss`` terms would silently drop out of the loss. Weight
+    forward pass run outside it (or in another scope) left none: without this,
+    activity regularisers and ``add_loss`` terms would silently drop out of the loss. Weight
     regularisers are computed here, inside the scope, as Keras computes them.
     """
     if not added:
