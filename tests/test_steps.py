@@ -7,6 +7,10 @@ are not summed twice, and the float16 finite check needs no extra collective:
 it reads the already all-reduced gradients.
 """
 
+import json
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -14,7 +18,9 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.training import steps as steps_lib
-from tfdist.distribute import strategies
+from tests.conftest import REPO
+from tfdist.distribute import horovod_support, strategies
+from tfdist.distribute.backend import tf_variable
 
 MIRRORED = {"all_reduce": "reduce_to_one"}  # In-process strategies: see test_fitting.py.
 
@@ -84,3 +90,213 @@ def test_models_with_custom_train_step_or_unsummable_metrics_are_refused():
     fine = ComputeLoss(inputs, keras.layers.Dense(1)(inputs))
     fine.compile(optimizer="sgd", loss="mse")
     steps_lib.check_model(fine, tfdist.UserError)
+
+
+# Exact scaling: every part's loss is Keras' one-device loss, scaled by tfdist alone ----------------
+def regression_data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1)) + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+def batches(x, y, batch=32):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+
+
+class MeanComputeLoss(keras.Model):
+    """A compute_loss override that returns a plain mean (no division by replicas), as users write them."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y_pred - y))
+
+
+def small_model(cls=keras.Model, loss="mse", lr=0.1, **dense):
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(0),
+                                **dense)(inputs)
+    outputs = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(1))(hidden)
+    model = cls(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss=loss)
+    return model
+
+
+def keras_one_device(build, x, y, epochs=1):
+    tfdist.make_strategy("default", precision="float32")
+    model = build()
+    history = model.fit(batches(x, y), epochs=epochs, shuffle=False, verbose=0).history
+    return model.get_weights(), history
+
+
+def tfdist_weights(build, x, y, strategy_name, grad_accum_steps=1, epochs=1, **options):
+    strategy = tfdist.make_strategy(strategy_name, precision="float32", **options)
+    with strategy.scope():
+        model = build()
+    history = tfdist.fit(model, batches(x, y), epochs=epochs, grad_accum_steps=grad_accum_steps, verbose=0).history
+    return model.get_weights(), history
+
+
+def assert_same_training(expected, got, start):
+    (want, want_history), (have, have_history) = expected, got
+    for a, b in zip(want, have):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    # SGD moved the weights far more than the tolerance: a wrong scale would show.
+    assert max(float(np.max(np.abs(a - s))) for a, s in zip(want, start)) > 1e-2
+    np.testing.assert_allclose(have_history["loss"], want_history["loss"], rtol=1e-5)
+
+
+def test_a_compute_loss_override_returning_a_plain_mean_trains_as_on_one_device():
+    x, y = regression_data()
+    build = lambda: small_model(MeanComputeLoss)  # noqa: E731
+    expected = keras_one_device(build, x, y)
+    got = tfdist_weights(build, x, y, "mirrored", num_cpu_replicas=2, **MIRRORED)
+    assert_same_training(expected, got, build().get_weights())
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_sum_loss_with_accumulation_trains_as_on_one_device(replicas):
+    # reduction="sum" counts whole in every part; the weight regulariser once per step, the activity
+    # regulariser (a batch mean in Keras 3) by each part's share of the examples.
+    x, y = regression_data()
+    build = lambda: small_model(loss=keras.losses.MeanSquaredError(reduction="sum"), lr=0.002,  # noqa: E731
+                                kernel_regularizer=keras.regularizers.L2(0.5),
+                                activity_regularizer=keras.regularizers.L2(0.5))
+    expected = keras_one_device(build, x, y)
+    options = {"num_cpu_replicas": 2, **MIRRORED} if replicas == 2 else {}
+    got = tfdist_weights(build, x, y, "mirrored" if replicas == 2 else "default", grad_accum_steps=2, **options)
+    assert_same_training(expected, got, build().get_weights())
+
+
+def test_losses_no_scaling_can_make_exact_are_refused_when_the_batch_is_split():
+    x, y = regression_data()
+    strategy = tfdist.make_strategy("default", precision="float32")
+    with strategy.scope():
+        model = small_model(loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+    with pytest.raises(tfdist.UserError, match=r"reduction mean_with_sample_weight, which divides by each part's "
+                                               r"own sample-weight sum .* split over 2 parts"):
+        tfdist.fit(model, batches(x, y), grad_accum_steps=2, verbose=0)
+    tfdist.fit(model, batches(x, y), verbose=0)  # One part: exact, so accepted.
+
+    inputs = keras.Input((4,))
+    two = keras.Model(inputs, [keras.layers.Dense(1, name="a")(inputs), keras.layers.Dense(1, name="b")(inputs)])
+    two.compile(optimizer="sgd", loss=["mse", keras.losses.MeanAbsoluteError(reduction="sum")])
+    with pytest.raises(tfdist.UserError, match=r"The compiled losses mix reductions \(sum, sum_over_batch_size\)"):
+        tfdist.fit(two, tf.data.Dataset.from_tensor_slices((x, (y, y))).batch(32, drop_remainder=True),
+                   grad_accum_steps=2, verbose=0)
+
+    class Extends(keras.Model):  # Calls the compiled (sum) loss and adds to it: the sum cannot be found.
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs) + 1.0
+
+    with strategy.scope():
+        override = small_model(Extends, loss=keras.losses.MeanSquaredError(reduction="sum"))
+    with pytest.raises(tfdist.UserError, match="overrides compute_loss.. and compiles a reduction='sum' loss"):
+        tfdist.fit(override, batches(x, y), grad_accum_steps=2, verbose=0)
+
+
+# The user's optimizer and Keras' module state are left as they were ------------------------------
+def loss_module_functions():
+    from keras.src.losses import loss as loss_module
+
+    return loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution
+
+
+def attributes(obj):
+    return {k: v for k, v in vars(obj).items()}
+
+
+def assert_unchanged(obj, before):
+    now = vars(obj)
+    assert set(now) == set(before), set(now) ^ set(before)
+    changed = [k for k, v in before.items() if now[k] is not v and not (isinstance(v, (bool, int, float, str))
+                                                                          and now[k] == v)]
+    assert not changed, changed
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_optimizer_is_unchanged_after_fit_and_trains_on_with_keras_like_a_fresh_one(asynchronous):
+    x, y = regression_data()
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    backend = strategies.backend_of(strategy)
+    with strategy.scope():
+        model = small_model()
+        model.optimizer.build(model.trainable_variables)
+    optimizer, counter = model.optimizer, model.optimizer._iterations
+    before, counter_before, functions = attributes(optimizer), attributes(counter), loss_module_functions()
+    backend.asynchronous = asynchronous  # The parameter-server path's hooks (atomic counters), in this process.
+    try:
+        tfdist.fit(model, batches(x, y), verbose=0)
+    finally:
+        backend.asynchronous = False
+    assert type(optimizer) is keras.optimizers.SGD and int(counter.numpy()) == 2
+    assert_unchanged(optimizer, before)
+    assert_unchanged(counter, counter_before)
+    assert loss_module_functions() == functions
+    # Keras' own fit on 2 replicas goes on from there exactly as with a fresh model and optimizer.
+    with strategy.scope():
+        fresh = small_model()
+        fresh.set_weights(model.get_weights())
+        for net in (model, fresh):
+            net.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(fresh.get_weights(), small_model().get_weights()))
+    assert moved > 1e-2
+    for a, b in zip(model.get_weights(), fresh.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def failing_constraint(weights):
+    raise RuntimeError("constraint failed while the optimizer applied the update")
+
+
+def test_a_failing_fit_leaves_keras_and_the_optimizer_as_they_were():
+    x, y = regression_data()
+    functions = loss_module_functions()
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():  # Fails inside optimizer.apply, i.e. with every hook of tfdist's step entered.
+        model = small_model(kernel_constraint=failing_constraint)
+        model.optimizer.build(model.trainable_variables)
+    before = attributes(model.optimizer)
+    with pytest.raises(RuntimeError, match="constraint failed"):
+        tfdist.fit(model, batches(x, y), verbose=0)
+    assert loss_module_functions() == functions
+    assert_unchanged(model.optimizer, before)
+
+
+# State sync: only what the forward pass updates ------------------------------------------------
+def test_frozen_weights_are_not_all_reduced_and_batch_norm_statistics_agree():
+    x, y = regression_data()
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    backend = strategies.backend_of(strategy)
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        frozen = keras.layers.Dense(8, name="frozen")
+        normalised = keras.layers.BatchNormalization(name="bn")(frozen(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1)(normalised))
+        frozen.trainable = False
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    # Give each replica's copy of the frozen kernel its own values: an all-reduce would average them.
+    copies = tf_variable(frozen.kernel).values
+    copies[1].assign(copies[0] * 2.0)
+    set_to = [np.asarray(c) for c in copies]
+    tfdist.fit(model, batches(x, y), epochs=2, verbose=0)
+    for copy, value in zip(copies, set_to):
+        np.testing.assert_array_equal(np.asarray(copy), value)
+    moving = [v for v in model.non_trainable_variables if "moving" in v.path]
+    assert len(moving) == 2
+    for variable in moving:
+        first, second = backend.local_replica_values(variable)
+        np.testing.assert_array_equal(first, second)
+        assert np.abs(first).sum() > 0
+
+
+@pytest.mark.skipif(not horovod_support.is_horovod_available(),
+                    reason="needs horovod (the tests-tf2.18-horovod nox session)")
+def test_horovod_ranks_scale_losses_as_one_device(tmp_path):
+    from tests.test_horovod import horovodrun
+
+    result = horovodrun([sys.executable, os.path.join(REPO, "tests", "scaling_probe.py"), str(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for case in ("compute_loss_mean", "sum_accumulated"):
+            assert report[case]["max_diff"] < 1e-5 and report[case]["moved"] > 1e-2, (rank, case, report)

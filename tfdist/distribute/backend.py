@@ -221,15 +221,6 @@ class Backend:
         reduced = iter(decompress(context.all_reduce(tf.distribute.ReduceOp.SUM, sent), present))
         return [None if g is None else next(reduced) for g in grads]
 
-    @property
-    def loss_divisor(self) -> float:
-        """What each replica's Keras loss must still be divided by to be a share of the global mean.
-
-        Keras divides by the replica count of the tf.distribute strategy it runs
-        under; a backend whose replicas Keras cannot see (Horovod) divides the rest.
-        """
-        return 1.0
-
     def sync_replica_state(self, variables: Sequence[Any]) -> None:
         """Averages replica-local state across replicas (called in cross-replica context, compiled)."""
         if not variables or self.num_replicas == 1:

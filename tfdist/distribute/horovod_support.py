@@ -204,9 +204,9 @@ class HorovodBackend(Backend):
         return self.hvd.allreduce(value, op=self.hvd.Sum)
 
     def finish_gradients(self, grads: list[Any]) -> list[Any]:
-        # Each rank's loss is its share of the global mean (loss_divisor), so
-        # summing gives the global-batch mean gradient. Adasum combines per-rank
-        # mean gradients. Sparse gradients go dense: Horovod's grouped
+        # Each rank's loss is its share of the global batch's loss (tfdist.training.steps),
+        # so summing gives the global-batch gradient. Adasum combines per-rank
+        # gradients of each rank's whole loss. Sparse gradients go dense: Horovod's grouped
         # all-reduce takes dense tensors only.
         present = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
         if self.op == "adasum":
@@ -215,10 +215,6 @@ class HorovodBackend(Backend):
         reduced = self.hvd.grouped_allreduce(sent, op=self._hvd_op, compression=self._compression)
         reduced = iter(decompress(reduced, present))
         return [None if g is None else next(reduced) for g in grads]
-
-    @property
-    def loss_divisor(self) -> float:
-        return float(self.hvd.size())
 
     @property
     def public_strategy(self) -> HorovodStrategy:

@@ -12,24 +12,35 @@ Per step the only collective is the gradient all-reduce (`Backend.
 finish_gradients`). Gradients are summed across replicas *before* the
 optimizer sees them, so ``clipnorm`` and a `LossScaleOptimizer`'s finite check
 act on the all-reduced gradients and every replica and worker takes the same
-apply-or-skip decision. Keras 3's optimizer would sum again
-(``_all_reduce_sum_gradients``, keras/src/backend/tensorflow/optimizer.py);
-tfdist turns that off on the optimizer instances it trains.
+apply-or-skip decision. Keras 3's optimizer would sum again; tfdist turns that
+off while it traces its own step (`tfdist.training.keras_hooks`), so the
+user's optimizer is never changed.
+
+The loss. Keras sees one replica while tfdist traces its step, so every part
+of a global batch (replica x micro-batch) computes Keras' one-device loss of
+its examples; tfdist alone scales it into the part's share of the one-device
+loss of the global batch, the same way on every backend (`loss_kind`):
+mean-type losses (and ``add_loss`` terms, which Keras 3 makes batch means) by
+``n_part / n_global``; a ``"sum"`` compiled loss by 1, its ``model.losses``
+terms by ``n_part / n_global`` (so weight regularisers count once a step).
+Summed over the parts, the gradient is the one-device gradient.
 
 Loss and metric statistics are accumulated per replica as the *deltas* of the
 metrics' own state (Keras metrics keep sum/count state), carried through the
-execution as one flat vector and reduced once per execution. Replica-local,
-float, non-trainable state (BatchNormalization's moving statistics) is
-averaged across replicas once per execution; that equals averaging every step
-because the moving-average update is affine. Under asynchronous workers
-(parameter servers) that state, and the optimizers' step counters, are
-written back as atomic increments instead, so concurrent steps lose no update.
+execution as one flat vector and reduced once per execution. The forward pass
+runs in a recording `StatelessScope`, so tfdist knows which non-trainable
+state it updates (BatchNormalization's moving statistics, not a frozen layer's
+weights); that float, replica-local state is averaged across replicas once per
+execution, which equals averaging every step because the moving-average update
+is affine. Under asynchronous workers (parameter servers) that state, and the
+optimizers' step counters, are written back as atomic increments instead, so
+concurrent steps lose no update.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import keras
 import numpy as np
@@ -38,6 +49,8 @@ from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.distribute.backend import Backend, tf_variable
+from tfdist.errors import UserError
+from tfdist.training import keras_hooks
 
 NUM_SCALARS = 3  # examples, non-finite losses, stop requests.
 
@@ -89,25 +102,6 @@ def _unpack(data: Any) -> tuple:
     return data, None, None
 
 
-def _keras_replicas() -> int:
-    """The replica count Keras divides losses by (see keras.src.losses.loss.scale_loss_for_distribution)."""
-    return int(tf.distribute.get_strategy().num_replicas_in_sync)
-
-
-def _optimizers(optimizer: Any) -> list:
-    found = [optimizer]
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None:
-        found.append(inner)
-    return found
-
-
-def disable_keras_gradient_sum(optimizer: Any) -> None:
-    """Stops Keras' optimizer from summing gradients across replicas (tfdist already did)."""
-    for opt in _optimizers(optimizer):
-        opt._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
-
-
 def _add_grads(a: Any, b: Any) -> Any:
     if a is None or b is None:
         return a if b is None else b
@@ -119,19 +113,6 @@ def _add_grads(a: Any, b: Any) -> Any:
 def _all_finite(grads: list) -> tf.Tensor:
     values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
     return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
-
-
-def atomic_counters(optimizer: Any) -> None:
-    """Makes the optimizers' step counters count every step when workers update them concurrently.
-
-    Keras increments ``iterations`` as ``assign(iterations + 1)`` (a read, then a
-    write): two parameter-server workers stepping at once lose one increment, and
-    learning-rate schedules and Adam's bias correction then run behind (measured:
-    228 of 300 steps counted with 2 workers). An atomic ``assign_add`` counts all.
-    """
-    for opt in _optimizers(optimizer):
-        counter = opt.iterations
-        counter.assign_add = lambda value, v=counter: tf_variable(v).assign_add(tf.cast(value, v.dtype))
 
 
 class _RecordingScope(StatelessScope):
@@ -149,8 +130,9 @@ class _RecordingScope(StatelessScope):
 def _forward_losses(model: keras.Model) -> list:
     """The ``add_loss`` values (activity regularisers included) of the forward pass just run.
 
-    Outside a `StatelessScope` Keras keeps them on the layers; inside one (the
-    parameter-server path) in the scope, filtered by layer, as Keras filters them.
+    Outside a `StatelessScope` (evaluation) Keras keeps them on the layers; inside
+    one (the training step's recording scope) in the scope, filtered by layer, as
+    Keras filters them.
     """
     return [loss for layer in model._flatten_layers(include_self=True) for loss in layer._get_own_losses()]
 
@@ -160,46 +142,55 @@ def _model_losses(model: keras.Model, added: list) -> Iterator[None]:
     """Makes ``model.losses`` inside a `StatelessScope` what Keras' own steps see.
 
     Inside a scope Keras looks for ``add_loss`` values in the scope, where a
-    forward pass run outside it left none: without this, activity regularisers
-    and ``add_loss`` terms would silently drop out of the loss. Weight
+    forward pass run outside it (or in another scope) left none: without this,
+    activity regularisers and ``add_loss`` terms would silently drop out of the loss. Weight
     regularisers are computed here, inside the scope, as Keras computes them.
     """
     if not added:
         yield
         return
+    before = model._losses_override
     model._losses_override = list(added) + model._get_regularization_losses()
     try:
         yield
     finally:
-        model._losses_override = []
+        model._losses_override = before
 
 
-def _atomic_state_updates(scope: _RecordingScope, before: dict) -> None:
-    """Applies the forward pass's non-trainable state updates as atomic increments.
+def _write_state(scope: _RecordingScope, before: dict, atomic: bool) -> None:
+    """Writes the forward pass's non-trainable state updates back to the variables.
 
-    A layer's moving average (BatchNormalization: ``m <- m * momentum + mean * (1 - momentum)``)
-    is written back as ``m += new - old``: concurrent workers each add their own
-    contribution, as with the optimizer's slots, instead of overwriting each other's
-    (with 2 parameter-server workers many updates were lost, and the lagging
-    statistics cost 3-6 points of validation accuracy after 3 epochs). Integer
-    counters (seed generators) are incremented the same way.
+    Synchronous replicas assign them, as Keras' own step would. Under asynchronous
+    workers (``atomic``) a layer's moving average (BatchNormalization:
+    ``m <- m * momentum + mean * (1 - momentum)``) is written back as
+    ``m += new - old``: concurrent workers each add their own contribution, as
+    with the optimizer's slots, instead of overwriting each other's (with 2
+    parameter-server workers many updates were lost, and the lagging statistics
+    cost 3-6 points of validation accuracy after 3 epochs). Integer counters
+    (seed generators) are incremented the same way.
     """
     for key, variable in scope.updated.items():
         target = tf_variable(variable)
         new = tf.cast(scope.get_current_value(variable), target.dtype)
         old = before.get(key)
-        if old is not None and (target.dtype.is_floating or target.dtype in (tf.int32, tf.int64)):
+        if atomic and old is not None and (target.dtype.is_floating or target.dtype in (tf.int32, tf.int64)):
             target.assign_add(new - old)
-        else:  # State the forward pass did not declare: written as Keras would.
+        else:  # Synchronous, or state the forward pass did not declare: written as Keras would.
             target.assign(new)
 
 
-def synced_state(model: keras.Model) -> list:
-    """Replica-local float state that replicas must agree on (e.g. BatchNormalization statistics)."""
+def synced_state(model: keras.Model, updated: Any) -> list:
+    """The state replicas must agree on: replica-local float variables the forward pass updates.
+
+    ``updated`` holds the ids of the variables a traced forward pass wrote
+    (BatchNormalization's moving statistics); a frozen layer's weights are not
+    among them, so they are never all-reduced.
+    """
     found = []
     for variable in model.non_trainable_variables:
         value = tf_variable(variable)
-        if value.dtype.is_floating and getattr(value, "aggregation", None) == tf.VariableAggregation.NONE:
+        if id(variable) in updated and value.dtype.is_floating and \
+                getattr(value, "aggregation", None) == tf.VariableAggregation.NONE:
             found.append(variable)
     return found
 
@@ -227,6 +218,56 @@ def _mask_padding(y_pred: Any, mask: tf.Tensor) -> Any:
     return y_pred
 
 
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def _overrides_compute_loss(model: keras.Model) -> bool:
+    from keras.src.trainers.trainer import Trainer
+
+    return type(model).compute_loss is not Trainer.compute_loss
+
+
+def loss_kind(model: keras.Model, parts: int) -> str:
+    """How a part's one-device loss becomes its share of the global batch's: "mean" or "sum".
+
+    "mean": the whole loss scales by ``n_part / n_global`` (mean reductions,
+    ``add_loss`` terms, a ``compute_loss`` override, whose value is taken as a
+    mean over its batch). "sum": the compiled loss counts whole, ``model.losses``
+    by ``n_part / n_global``. With one part (one replica, no accumulation) any
+    loss is exact. Refuses (`UserError`) what no scaling makes exact when a
+    global batch is split: reductions by the weight sum or none at all, and
+    compiled losses that mix mean and sum reductions or a "sum" loss under a
+    ``compute_loss`` override (their terms cannot be told apart).
+    """
+    compiled = getattr(model, "_compile_loss", None)
+    flat = getattr(compiled, "_flat_losses", None) or []
+    reductions = [getattr(getattr(entry, "loss", None), "reduction", "sum_over_batch_size") for entry in flat]
+    kinds = {"mean" if r in MEAN_REDUCTIONS else "sum" if r == "sum" else None for r in reductions}
+    if parts == 1 or not reductions or kinds == {"mean"}:
+        return "mean"
+    where = f"split over {parts} parts (replicas x grad_accum_steps)"
+    if None in kinds:
+        odd = sorted({str(r) for r in reductions if r not in MEAN_REDUCTIONS + ("sum",)})
+        raise UserError(
+            f"The compiled loss has reduction {', '.join(odd)}, which divides by each part's own sample-weight sum "
+            f"(or does not reduce); with the global batch {where} no scaling gives the one-device gradient. Use "
+            "reduction='sum_over_batch_size' (the default) or 'sum', or train on one replica with "
+            "grad_accum_steps=1.")
+    if len(kinds) > 1:
+        raise UserError(
+            f"The compiled losses mix reductions ({', '.join(sorted(set(map(str, reductions))))}); with the global "
+            f"batch {where} tfdist scales a mean by each part's share of the examples and a sum by 1, and cannot "
+            "tell their terms apart in the total. Give every output the same kind of reduction (e.g. all "
+            "'sum_over_batch_size'), or train on one replica with grad_accum_steps=1.")
+    if _overrides_compute_loss(model):
+        raise UserError(
+            f"{type(model).__name__} overrides compute_loss() and compiles a reduction='sum' loss; with the "
+            f"global batch {where} tfdist takes compute_loss()'s value as a mean over its batch and cannot find "
+            "the sum inside it. Use reduction='sum_over_batch_size' (or return a mean from compute_loss), or "
+            "train on one replica with grad_accum_steps=1.")
+    return "sum"
+
+
 class StepFunctions:
     """The compiled training and evaluation executions for one model under one backend."""
 
@@ -238,10 +279,11 @@ class StepFunctions:
         self.accum = grad_accum_steps
         self.step_counter = step_counter
         self.layout = MetricLayout(model)
-        self.synced = synced_state(model)
-        disable_keras_gradient_sum(self.optimizer)
-        if backend.asynchronous:
-            atomic_counters(self.optimizer)
+        keras_hooks.check_internals(model, asynchronous=backend.asynchronous)
+        # The parts a global batch is split into: each computes the one-device loss of its examples.
+        self.parts = backend.num_replicas * grad_accum_steps
+        self.loss_kind = loss_kind(model, self.parts)
+        self._updated: dict[int, Any] = {}  # State the traced forward passes write (ids), for `synced`.
         self.jit_compile = jit_compile
         # XLA compiles one step (as Keras does); the loop around it reads the iterator.
         self._train_step = tf.function(self._distributed_train_step, jit_compile=True) if jit_compile \
@@ -249,23 +291,44 @@ class StepFunctions:
         self.train_chunk = backend.compile(self._train_chunk)
         self.eval_chunk = backend.compile(self._eval_chunk)
 
+    @property
+    def synced(self) -> list:
+        """The replica-local state averaged after each execution (known once the step is traced)."""
+        return synced_state(self.model, self._updated)
+
     # Training ---------------------------------------------------------------
     def _tracked_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool, added: list,
-                      mask: Any = None):
-        """Runs the model's compute_loss and its metric updates; returns (loss, metric deltas).
+                      mask: Any = None, share: Optional[tf.Tensor] = None):
+        """Runs the model's compute_loss and its metric updates; returns (loss, unscaled, metric deltas).
 
         ``added`` holds the forward pass's ``add_loss`` values (`_forward_losses`).
+        Keras sees one replica, so compute_loss returns Keras' one-device loss of
+        this batch. With ``share`` (training: ``n_part / n_global``) ``loss`` is this
+        part's share of the global batch's loss (what the gradient is taken of) and
+        ``unscaled`` is ``loss / share``, what the loss metric averages weighted by
+        the part's examples: for a mean loss the part's one-device loss, for a sum
+        the global batch's loss the part stands for. Without ``share`` (evaluation)
+        both are the one-device loss of the batch.
         """
         model, layout = self.model, self.layout
         zeros = layout.zeros()
+        summed = share is not None and self.loss_kind == "sum"
+        # Keras' per-output loss metrics: a summed part stands for 1/share of the global batch's sum.
+        factor = 1.0 / share if summed else None
         # Metric state starts from zero (its deltas are what is collected); model
         # weights read as themselves (regularisers read them inside the scope).
         weights = [(v, v.value) for v in model.variables]
         with StatelessScope(state_mapping=weights + list(zip(layout.variables, zeros))) as scope, \
-                _model_losses(model, added):
+                _model_losses(model, added), keras_hooks.one_replica_losses(factor):
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
-            unscaled = tf.cast(loss, tf.float32) * float(_keras_replicas())
-            yield_loss = loss
+            loss = tf.cast(loss, tf.float32)
+            unscaled = loss
+            if summed:  # The compiled sum counts whole, model.losses (batch means, regularisers) by share.
+                extra = [tf.cast(model._aggregate_additional_loss(term), tf.float32) for term in model.losses]
+                loss = loss - (1.0 - share) * tf.add_n(extra) if extra else loss
+                unscaled = loss / share
+            elif share is not None:
+                loss = loss * share
             if training:
                 model._loss_tracker.update_state(unscaled, sample_weight=_batch_size(x))
                 if model._compile_metrics is not None:
@@ -276,32 +339,31 @@ class StepFunctions:
         for variable, zero in zip(layout.variables, zeros):
             value = scope.get_current_value(variable)
             deltas.append(zero if value is None else value)
-        return yield_loss, unscaled, deltas
+        return loss, unscaled, deltas
 
     def _forward_backward(self, x: Any, y: Any, sample_weight: Any):
         model = self.model
         variables = model.trainable_variables
-        state = None
+        # The forward pass records what state it updates (written back below).
+        mapping = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables]
+        before = {id(v): value for v, value in mapping}
+        size = _batch_size(x)
+        # This part's fraction of the global batch (all parts hold the same number of examples).
+        share = tf.cast(size, tf.float32) / tf.cast(size * self.parts, tf.float32)
         with tf.GradientTape() as tape:
-            forward: Any = contextlib.nullcontext()
-            if self.backend.asynchronous:
-                mapping = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables]
-                state = {id(v): value for v, value in mapping}
-                forward = _RecordingScope(mapping)
+            forward = _RecordingScope(mapping)
             with forward:
                 y_pred = model(x, training=True)
                 added = _forward_losses(model)
-            loss, unscaled, deltas = self._tracked_loss(x, y, y_pred, sample_weight, training=True, added=added)
-            # Keras divides by the replicas it sees; backends it cannot see (Horovod)
-            # divide the rest, and accumulation averages its micro-batches.
-            loss = loss / float(self.accum * self.backend.loss_divisor)
+            loss, unscaled, deltas = self._tracked_loss(x, y, y_pred, sample_weight, training=True, added=added,
+                                                        share=share)
             scaled = self.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, variables)
-        if state is not None:
-            _atomic_state_updates(forward, state)
+        _write_state(forward, before, atomic=self.backend.asynchronous)
+        self._updated.update(forward.updated)
         finite = tf.math.is_finite(unscaled)
         deltas = [tf.where(finite, d, tf.zeros_like(d)) for d in deltas]
-        return grads, deltas, finite, _batch_size(x)
+        return grads, deltas, finite, size
 
     def _micro_batches(self, data: Any) -> list:
         if self.accum == 1:
@@ -328,8 +390,21 @@ class StepFunctions:
         # 1/replicas from each sums to one count per step (the loop's divergence guard counts steps).
         nonfinite = 1.0 - tf.cast(_all_finite(grads), tf.float32)
         self.backend.apply_step(lambda: self.optimizer.apply(grads, variables), self.step_counter, ready=grads)
+
+
+        with self._keras_optimizer_hooks():  # Entered while this is traced, left before it returns.
+            self.optimizer.apply(grads, variables)
+        self.step_counter.assign_add(1)
         share = nonfinite / float(self.backend.num_replicas)
         return totals + self.layout.pack([examples, share, stop], deltas)
+
+    @contextlib.contextmanager
+    def _keras_optimizer_hooks(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(keras_hooks.no_gradient_sum(self.optimizer))
+            if self.backend.asynchronous:
+                stack.enter_context(keras_hooks.atomic_iterations(self.optimizer))
+            yield
 
     def _distributed_train_step(self, data: Any, stop: tf.Tensor, totals: Any) -> Any:
         return self.backend.run(self._replica_train_step, (data, stop, totals))
