@@ -389,12 +389,9 @@ class StepFunctions:
         # Whether this step's all-reduced gradients are non-finite: the same on every replica, so
         # 1/replicas from each sums to one count per step (the loop's divergence guard counts steps).
         nonfinite = 1.0 - tf.cast(_all_finite(grads), tf.float32)
-        self.backend.apply_step(lambda: self.optimizer.apply(grads, variables), self.step_counter, ready=grads)
-
-
         with self._keras_optimizer_hooks():  # Entered while this is traced, left before it returns.
-            self.optimizer.apply(grads, variables)
-        self.step_counter.assign_add(1)
+            # The update and the step count (parameter servers: only a step no earlier run claimed).
+            self.backend.apply_step(lambda: self.optimizer.apply(grads, variables), self.step_counter, ready=grads)
         share = nonfinite / float(self.backend.num_replicas)
         return totals + self.layout.pack([examples, share, stop], deltas)
 
