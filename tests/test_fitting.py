@@ -383,3 +383,14 @@ def test_execution_k_plus_1_is_dispatched_before_k_is_fetched(monkeypatch):
     epoch = [("dispatch", 3), ("dispatch", 3), ("fetch", 192), ("dispatch", 1), ("fetch", 192), ("fetch", 64)]
     assert events == epoch + epoch
     assert len(history.history["loss"]) == 2
+
+
+def test_examples_left_out_of_whole_batches_are_announced(caplog):
+    strategy = tfdist.make_strategy("default", precision="float32")
+    with strategy.scope():
+        model = dense_model()
+    with caplog.at_level("WARNING"):
+        tfdist.fit(model, X[:200], Y[:200], batch_size=64, epochs=1, verbose=0)
+    assert "8 of the 200 training examples are not trained in each epoch: tfdist trains whole global batches " \
+           "of 64 (3 steps an epoch)" in caplog.text
+    assert int(model.optimizer.iterations.numpy()) == 3

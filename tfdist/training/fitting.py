@@ -279,6 +279,12 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
         steps_per_epoch = whole
         if steps_per_epoch < 1:
             raise _fail(f"batch_size={batch_size} is larger than the training set ({num_train} examples).")
+        if num_train % batch_size and backend.sharded_input:
+            logging.warning(
+                "%d of the %d training examples are not trained in each epoch: tfdist trains whole global "
+                "batches of %d (%d steps an epoch), where Keras' fit would also train a partial last batch. "
+                "Use a batch_size that divides the training set to train every example.",
+                num_train % batch_size, num_train, batch_size, steps_per_epoch)
     for name, value, least in (("steps_per_epoch", steps_per_epoch, 1), ("max_steps", max_steps, 1),
                                ("steps_per_execution", steps_per_execution, 1)):
         if value is not None and value < least:
