@@ -151,3 +151,23 @@ def test_a_masked_model_with_per_timestep_weights_trains_as_keras_fit():
     for got, expected in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, expected, atol=1e-5)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(start, reference.get_weights())) > 1e-2
+
+
+def per_sequence_loss(y_true, y_pred):
+    """A loss of one value per example over a [n, T, C] output (a mean over steps and classes)."""
+    return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=(1, 2))
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored2"])
+def test_a_loss_of_one_value_per_example_on_a_sequence_output_validates_as_keras(strategy_name):
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(128, 5, 3)).astype("float32"), rng.normal(size=(128, 5, 3)).astype("float32")
+    vx, vy = rng.normal(size=(150, 5, 3)).astype("float32"), rng.normal(size=(150, 5, 3)).astype("float32")
+
+    def build():
+        model = keras.Sequential([keras.Input((5, 3)), keras.layers.Dense(
+            3, kernel_initializer=keras.initializers.GlorotUniform(0))])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=per_sequence_loss, metrics=["mae"])
+        return model
+
+    assert_validation_equals_keras(build, (x, y), (vx, vy), strategy_name)

@@ -145,14 +145,16 @@ def test_a_second_fit_after_early_stopping_trains_as_keras_does():
     assert_same_weights(model, reference)
 
 
-def test_terminate_on_nan_stops_after_the_batch_as_in_keras():
+def test_terminate_on_nan_stops_after_the_batch_as_in_keras(tmp_path):
     x = CX.copy()
     x[3 * 32 + 5, 0] = np.nan  # Batch 3 has a NaN input: its loss is NaN.
     reference, model = small_model(), small_model(default_strategy())
     expected = reference.fit(batches(x), epochs=2, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0,
                              shuffle=False)
     got = tfdist.fit(model, batches(x), epochs=2, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0,
-                     steps_per_execution=1)
+                     steps_per_execution=1, workdir=str(tmp_path / "w"))
+    # The NaN weights are neither checkpointed nor exported: a rerun would resume from them.
+    assert not list((tmp_path / "w").glob("checkpoints/ckpt-*")) and not (tmp_path / "w" / "model.keras").exists()
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 4
     assert got.epoch == expected.epoch == [0] and np.isnan(got.history["loss"][0])
     with pytest.raises(tfdist.UserError, match="The training loss became non-finite"):  # Without it: refused.
@@ -216,3 +218,37 @@ def test_only_the_chief_runs_file_writing_callbacks(tmp_path):
     assert written == ["backup", "task0.csv", "task0.keras", "tb0"], written
     assert re.findall(r"^\[worker:\d\] (restored .*)$", result.stdout, re.M) == ["restored epoch 1"] * 2, \
         result.stdout[-3000:]
+
+
+def test_a_task_that_does_not_run_the_chiefs_callbacks_keeps_as_many_executions_in_flight(tmp_path, monkeypatch):
+    # TensorBoard (per-batch hooks) runs on the chief only. A worker that kept one execution more in flight
+    # would wait, after a stop or an error, for an execution the chief never dispatches.
+    import types
+
+    from tfdist.training import fitting, loop
+
+    as_worker = fitting.callbacks_for_task
+    monkeypatch.setattr(fitting, "callbacks_for_task",
+                        lambda callbacks, backend: as_worker(callbacks, types.SimpleNamespace(is_chief=False)))
+    seen = []
+    run = loop.Controller.run
+    monkeypatch.setattr(loop.Controller, "run", lambda self, step: (seen.append(self.in_flight), run(self, step))[1])
+    tfdist.fit(small_model(default_strategy()), batches(), epochs=1, verbose=0,
+               callbacks=[keras.callbacks.TensorBoard(str(tmp_path / "tb"))])
+    assert seen == [1] and not (tmp_path / "tb").exists()  # As on the chief, which runs TensorBoard's hooks.
+
+
+def test_both_workers_stop_with_the_non_finite_error_while_the_chief_alone_runs_tensorboard(tmp_path):
+    result = launch([sys.executable, "tests/programs/callbacks_disagree.py", "nan", str(tmp_path)], timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert len(re.findall(r"^\[worker:\d\] .*The training loss became non-finite", output, re.M)) == 2, \
+        output[-3000:]
+
+
+def test_workers_that_restored_different_backups_fail_fast(tmp_path):
+    result = launch([sys.executable, "tests/programs/callbacks_disagree.py", "backup", str(tmp_path)], timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "The workers restored different checkpoints (worker 0 step 8, worker 1 step 0)" in output, output[-3000:]
+    assert "a BackupAndRestore at a backup_dir they all share" in output

@@ -26,7 +26,7 @@ from tfdist.training import inputs, steps as steps_lib
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training.loop import Controller, LoopPlan, LoopResult, Preempted
+from tfdist.training.loop import Controller, LoopPlan, LoopResult, Preempted, has_batch_hooks
 
 PLAN_FILE = "plan.json"
 
@@ -462,7 +462,7 @@ def fit(
         result = _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir,
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
                       summary_every_steps, profile_steps)
-        if rundir is not None:  # Chief only; staged and renamed into place.
+        if rundir is not None and not result.diverged:  # Chief only; staged and renamed into place.
             _export(rundir, model, export, result, manager)
     if _report is not None:
         _report.update(plan=plan, result=result, backend=backend, precision=precision, rundir=rundir,
@@ -633,8 +633,8 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         summary_every_steps=summary_every_steps,
         profile=(profile_steps, rundir.join("tensorboard")) if profile_steps and rundir is not None
         and backend.is_chief else None,
+        batch_hooks=has_batch_hooks(list(callbacks or [])), precision=precision,
     )
-    controller.check_agreement(start_step, precision)
     writer = rundir.summary_writer() if rundir is not None else tf.summary.create_noop_writer()
     with writer.as_default():
         result = controller.run(start_step)

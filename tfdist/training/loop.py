@@ -161,6 +161,7 @@ class LoopResult:
     epoch_seconds: list[float]
     device_step_count: Optional[int]
     val_examples: Optional[int] = None  # Examples the last evaluation counted (None: no evaluation ran).
+    diverged: bool = False  # A callback (TerminateOnNaN) stopped training after a non-finite step.
 
 
 class Controller:
@@ -187,6 +188,8 @@ class Controller:
         error: Callable[[str], Exception] = UserError,
         summary_every_steps: int = 0,
         profile: Optional[tuple[tuple[int, int], str]] = None,
+        batch_hooks: Optional[bool] = None,
+        precision: str = "",
     ):
         self.steps = steps
         self.backend = backend
@@ -207,11 +210,14 @@ class Controller:
         self.model = steps.model
         self.summary_every = summary_every_steps
         self.profile = profile
+        self.precision = precision
         self._profiling = False
         # Keras calls per-batch hooks once per execution (steps_per_execution batches); where a
         # callback has them, executions run one at a time so a stop a hook requests (TerminateOnNaN,
         # a batch-level EarlyStopping) takes effect before the next execution, as in Keras.
-        self.batch_hooks = has_batch_hooks(callbacks)
+        # Decided from the user's callbacks on every task alike (the chief runs more of them), so every
+        # worker keeps the same number of executions in flight and collectives stay matched.
+        self.batch_hooks = has_batch_hooks(callbacks.callbacks) if batch_hooks is None else batch_hooks
         self.in_flight = 1 if self.batch_hooks and not backend.asynchronous else backend.max_in_flight
         self.val_examples: Optional[int] = None
 
@@ -230,8 +236,8 @@ class Controller:
         if len({r[1] for r in rows}) > 1:
             raise self.error(
                 f"The workers restored different checkpoints ({steps}): is --workdir on storage every machine "
-                "shares? Point every worker at the same shared --workdir (or start them all from scratch in a new "
-                "one).")
+                "shares? Point every worker at the same shared --workdir, and a BackupAndRestore at a backup_dir they "
+                "all share (or start them all from scratch in a new one).")
         what = "plan (batch sizes, steps, seed, learning rate, dataset)" if len({r[2] for r in rows}) > 1 \
             else f"precision policy (this task: {precision})"
         raise self.error(
@@ -256,6 +262,8 @@ class Controller:
         self.model.stop_training = False  # As Keras' fit: a stop requested in an earlier fit does not carry over.
         self.callbacks.on_train_begin()
         start_step = self._initial_step(start_step)
+        # After the callbacks began: a BackupAndRestore that found no backup on one task shows here.
+        self.check_agreement(start_step, self.precision)
         step = start_step
         iterator = self.train_iterator_fn(start_step)
         layout = steps.layout
@@ -270,6 +278,7 @@ class Controller:
         summary_totals: Optional[np.ndarray] = None
         last_totals: Optional[np.ndarray] = None
         epoch_open, epoch_nonfinite = False, False
+        epoch_nonfinite_seen, diverged = False, False  # A non-finite step a callback (TerminateOnNaN) stopped at.
         # Single-controller runs stop dispatching at once; the workers of a multi-worker job
         # agree on the stop through a flag each step reads, summed in the execution's reduction.
         flag = None if backend.single_controller else host_variable(0.0, "tfdist_stop")
@@ -330,6 +339,7 @@ class Controller:
                                 batch_logs["loss"] = float("nan")  # What Keras' logs show (TerminateOnNaN reads it).
                             self.callbacks.on_train_batch_end(step - 1 - epoch * plan.steps_per_epoch, batch_logs)
                         epoch_nonfinite = epoch_nonfinite or bool(nonfinite and not self.loss_scaling)
+                        epoch_nonfinite_seen = epoch_nonfinite_seen or epoch_nonfinite
                         if nonfinite and not self.loss_scaling and not self.model.stop_training:
                             raise self.error(
                                 f"The training loss became non-finite (NaN or inf) in {nonfinite} of the steps up to "
@@ -391,7 +401,11 @@ class Controller:
                     epoch_totals = np.zeros(layout.size)
                     self.callbacks.on_epoch_end(epoch, logs)
                     epoch_open = False
-                if at_epoch_end or (self.every and step % self.every == 0):
+                if diverged_stop(self.model, epoch_nonfinite_seen):
+                    logging.warning("A callback stopped training at step %d after a non-finite loss; the weights "
+                                    "are not finite, so no checkpoint or export was written for these steps.", step)
+                    diverged = True
+                elif at_epoch_end or (self.every and step % self.every == 0):
                     self.save_fn(step)
             if last_totals is not None:
                 last_loss = _loss(layout, last_totals)
@@ -404,7 +418,7 @@ class Controller:
             first_loss=first_loss, last_loss=last_loss,
             examples_per_sec=(steady_examples / steady_seconds) if steady_seconds else None,
             epoch_seconds=[round(epoch_seconds[e], 4) for e in sorted(epoch_seconds)],
-            device_step_count=None, val_examples=self.val_examples,
+            device_step_count=None, val_examples=self.val_examples, diverged=diverged,
         )
 
 
@@ -459,11 +473,16 @@ class Controller:
 BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
 
-def has_batch_hooks(callbacks: keras.callbacks.CallbackList) -> bool:
-    """Whether any callback overrides a per-batch training hook (Keras marks the base ones as defaults)."""
+def diverged_stop(model: keras.Model, nonfinite_seen: bool) -> bool:
+    """Whether a callback stopped training after a non-finite (unskipped) step: nothing to save then."""
+    return bool(model.stop_training and nonfinite_seen)
+
+
+def has_batch_hooks(callbacks: Any) -> bool:
+    """Whether any of `callbacks` overrides a per-batch training hook (Keras marks the base ones as defaults)."""
     from keras.src.utils.python_utils import is_default
 
-    return any(not is_default(getattr(cb, name)) for cb in callbacks.callbacks for name in BATCH_HOOKS)
+    return any(not is_default(getattr(cb, name)) for cb in callbacks for name in BATCH_HOOKS)
 
 
 def finalize_optimizer(model: keras.Model, backend: Backend) -> None:

@@ -440,7 +440,9 @@ class StepFunctions:
         x, y, weight = _unpack(tuple(element))
 
         def update() -> tf.Tensor:
-            y_pred = _mask_padding(self.model(x, training=False), mask)
+            y_pred = self.model(x, training=False)
+            if mask.shape[0] is not None:  # Static shapes (TPUs): batches may hold padding rows.
+                y_pred = _mask_padding(y_pred, mask)
             _, _, deltas = self._tracked_loss(x, y, y_pred, weight, training=False,
                                               added=_forward_losses(self.model), mask=mask)
             return totals + self.layout.pack([tf.reduce_sum(mask), 0.0, 0.0], deltas)

@@ -1,0 +1,50 @@
+"""Two MultiWorkerMirrored workers whose callbacks differ per task, as a job's do.
+
+`nan`: every worker trains with a TensorBoard callback (only the chief runs it, and it has
+per-batch hooks) on data whose 4th batch is NaN; both must stop with the non-finite error,
+not hang with one execution more in flight on one of them.
+`backup`: each worker's BackupAndRestore points at a directory of its own, so only the chief
+finds the backup it wrote; the workers must refuse to start from different steps.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+
+import tfdist
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    strategy = tfdist.make_strategy("multi_worker_mirrored", precision="float32")
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    if mode == "nan":
+        y[:] = np.nan  # Every step's loss is NaN: the first execution fails on both workers.
+        tfdist.fit(model, x, y, batch_size=32, epochs=2, verbose=0, steps_per_execution=2,
+                   callbacks=[keras.callbacks.TensorBoard(f"{out}/tb")])
+        return
+    backup = keras.callbacks.BackupAndRestore(f"{out}/backup{index}")
+    try:
+        tfdist.fit(model, x, y, batch_size=32, epochs=3, callbacks=[backup, Interrupt()], verbose=0)
+    except RuntimeError:
+        pass
+    tfdist.fit(model, x, y, batch_size=32, epochs=3, verbose=0,
+               callbacks=[keras.callbacks.BackupAndRestore(f"{out}/backup{index}")])
+
+
+if __name__ == "__main__":
+    main()
