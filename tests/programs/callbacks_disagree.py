@@ -7,33 +7,19 @@ not hang with one execution more in flight on one of them.
 finds the backup it wrote; the workers must refuse to start from different steps.
 """
 
-import json
-import os
 import sys
 
 import keras
-import numpy as np
 
 import tfdist
-
-
-class Interrupt(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == 1:
-            raise RuntimeError("interrupted")
+from callbacks_per_task import Interrupt, setup  # Beside this file (the script's directory is on sys.path).
 
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
-    strategy = tfdist.make_strategy("multi_worker_mirrored", precision="float32")
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
-    y = x.sum(axis=1, keepdims=True)
+    _, index, model, x, y = setup()
     if mode == "nan":
-        y[:] = np.nan  # Every step's loss is NaN: the first execution fails on both workers.
+        y[:] = float("nan")  # Every step's loss is NaN: the first execution fails on both workers.
         tfdist.fit(model, x, y, batch_size=32, epochs=2, verbose=0, steps_per_execution=2,
                    callbacks=[keras.callbacks.TensorBoard(f"{out}/tb")])
         return

@@ -23,15 +23,20 @@ class Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-def main() -> None:
-    out = sys.argv[1]
+def setup() -> tuple:
+    """The strategy, this task's index, a small compiled model and its data."""
     strategy = tfdist.make_strategy("multi_worker_mirrored", precision="float32")
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
-    y = x.sum(axis=1, keepdims=True)
+    return strategy, index, model, x, x.sum(axis=1, keepdims=True)
+
+
+def main() -> None:
+    out = sys.argv[1]
+    strategy, index, model, x, y = setup()
     writers = [keras.callbacks.CSVLogger(f"{out}/task{index}.csv"),
                keras.callbacks.ModelCheckpoint(f"{out}/task{index}.keras"),
                keras.callbacks.TensorBoard(f"{out}/tb{index}")]
