@@ -389,7 +389,7 @@ def test_examples_left_out_of_whole_batches_are_announced(caplog):
     strategy = tfdist.make_strategy("default", precision="float32")
     with strategy.scope():
         model = dense_model()
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("WARNING", logger="absl"):
         tfdist.fit(model, X[:200], Y[:200], batch_size=64, epochs=1, verbose=0)
     assert "8 of the 200 training examples are not trained in each epoch: tfdist trains whole global batches " \
            "of 64 (3 steps an epoch)" in caplog.text

@@ -280,7 +280,7 @@ def test_a_checkpoint_without_seed_state_resumes_with_a_warning(tmp_path, monkey
     with monkeypatch.context() as patch:
         patch.setattr(workdir, "training_checkpoint", old_layout)
         _fit_random(tmp_path / "w", max_steps=4)
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="absl"):  # absl's own level may be WARNING here.
         _fit_random(tmp_path / "w")
     assert ("Checkpoint ckpt-4 holds no state of the model's 1 random seed generator(s) (Dropout and other random "
             "layers; it was written by an older tfdist): resuming with their current state, so the random masks "
@@ -298,7 +298,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_log_line(tmp_path, capl
     _fit_random(tmp_path / "b", max_steps=4, checkpoint_every_steps=2)
     checkpoints = tmp_path / "b" / "checkpoints"
     _truncate(checkpoints / "ckpt-4.data-00000-of-00001")  # A full disk or a killed copy.
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="absl"):  # absl's own level may be WARNING here.
         resumed = _fit_random(tmp_path / "b", checkpoint_every_steps=2)
     skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipped")]
     assert skipped == [f"Skipped damaged checkpoint ckpt-4 (Read less bytes than requested) in {checkpoints}; "
