@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.training import inputs, steps as steps_lib
+from tfdist.training import custom_steps, inputs, steps as steps_lib
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
@@ -144,6 +144,8 @@ def _check_rank(model: keras.Model, spec: Any, what: str) -> None:
 
 def _element_spec(model: keras.Model, dataset: tf.data.Dataset, what: str) -> tuple:
     spec = dataset.element_spec
+    if custom_steps.overrides(model, "train_step"):  # The user's step takes whatever the dataset yields.
+        return spec if isinstance(spec, tuple) else (spec,)
     if not isinstance(spec, tuple) or len(spec) not in (2, 3):
         raise _fail(f"{what} must yield (x, y) or (x, y, sample_weight) batches, not {spec}.")
     _check_rank(model, spec[0], what)
@@ -236,7 +238,7 @@ def _check_scope(model: keras.Model, backend: Backend) -> None:
         strategy_default = True
     else:
         strategy_default = False
-    for variable in list(model.weights) + list(model.optimizer.variables):
+    for variable in list(model.weights) + _optimizer_variables(model):
         value = tf_variable(variable)
         if strategy_default or extended is None:
             if isinstance(value, tf.distribute.DistributedValues):
@@ -250,9 +252,16 @@ def _check_scope(model: keras.Model, backend: Backend) -> None:
                 "with the strategy from tfdist.make_strategy.")
 
 
+def _optimizer_variables(model: keras.Model) -> list:
+    """The variables of every optimizer the model holds (a custom step's several included)."""
+    return [v for opt in custom_steps.optimizers_of(model) for v in opt.variables]
+
+
 def _build(model: keras.Model, backend: Backend, example: tuple) -> None:
     """Creates all model, metric and optimizer state, under the strategy's scope."""
     x, y, sample_weight = example
+    if custom_steps.overrides(model, "train_step") and not custom_steps.has_call(model):
+        return  # Nothing to call: its parts are built, and its step is traced before any step (custom_steps.probe).
     with backend.scope():
         try:
             model._symbolic_build(data_batch=(x, y, sample_weight))
@@ -394,6 +403,7 @@ def fit(
     export = export_lib.parse_export_formats(",".join(export)) if export else ()
     backend = _backend(strategy)
     steps_lib.check_model(model, _fail)
+    steps_lib.check_custom_steps(model, backend, grad_accum_steps=grad_accum_steps, error=_fail)
     if epochs < 1:
         raise _fail(f"epochs={epochs} must be 1 or more.")
     if grad_accum_steps < 1:
@@ -418,7 +428,7 @@ def fit(
         if step_counter is None:
             step_counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_step",
                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-    backend.report_placement(list(model.variables) + list(model.optimizer.variables) + [step_counter])
+    backend.report_placement(list(model.variables) + _optimizer_variables(model) + [step_counter])
     checkpoint = workdir_lib.training_checkpoint(model, step_counter)  # Seed generators' state included.
     if workdir is not None:
         export_lib.check_exportable(model, export)  # Before any step: a failed export would come after training.
@@ -455,10 +465,13 @@ def fit(
             rundir.write_text(PLAN_FILE, json.dumps({**plan.resume_fields(), "num_replicas": backend.num_replicas},
                                                     indent=2, sort_keys=True) + "\n")
         precision = keras.mixed_precision.dtype_policy().name
-        backend.broadcast_initial_state(list(model.variables) + list(model.optimizer.variables))
-        step_functions = steps_lib.StepFunctions(model, backend, grad_accum_steps=grad_accum_steps,
-                                                 step_counter=step_counter,
-                                                 jit_compile=_resolve_jit(jit_compile, backend, model))
+        step_functions = steps_lib.StepFunctions(
+            model, backend, grad_accum_steps=grad_accum_steps, step_counter=step_counter,
+            jit_compile=_resolve_jit(jit_compile, backend, model),
+            train_example=custom_steps.keras_data(inputs.drop_none(source.example(plan.micro_batch))),
+            eval_example=custom_steps.keras_data(inputs.drop_none(validation.structure)) if validation else None)
+        # After the step functions: a custom step's optimizers are built when its step is first traced.
+        backend.broadcast_initial_state(list(model.variables) + _optimizer_variables(model))
         result = _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir,
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
                       summary_every_steps, profile_steps)

@@ -74,7 +74,8 @@ def _gather(tensors: tuple, indices: tf.Tensor) -> tuple:
     return map_present(lambda t: tf.gather(t, indices), tensors)
 
 
-def _drop_none(element: tuple) -> tuple:
+def drop_none(element: tuple) -> tuple:
+    """``(x, y, sample_weight)`` without its None entries: ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``."""
     x, y, sample_weight = element
     if sample_weight is None:
         return (x, y) if y is not None else (x,)
@@ -114,7 +115,7 @@ def train_arrays_fn(
             indices = tf.random.experimental.index_shuffle(
                 positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
             batch = _gather(tensors, tf.reshape(indices, [here, per_replica_batch]))
-            return tf.data.Dataset.from_tensor_slices(_drop_none(batch))
+            return tf.data.Dataset.from_tensor_slices(drop_none(batch))
 
         end = total_steps if total_steps is not None else np.iinfo(np.int64).max
         ds = tf.data.Dataset.range(start_step, end).flat_map(step_batches)
@@ -136,7 +137,7 @@ def random_order_arrays_fn(arrays: Arrays, *, per_replica_batch: int) -> Dataset
         logging.info("Input pipeline %d: all %d training examples, per-replica batch %d, in a random order of its "
                      "own (steps go to whichever worker is free).", ctx.input_pipeline_id, num, per_replica_batch)
         ds = tf.data.Dataset.range(num).shuffle(num, reshuffle_each_iteration=True).repeat()
-        ds = ds.batch(per_replica_batch, drop_remainder=True).map(lambda i: _drop_none(_gather(tensors, i)))
+        ds = ds.batch(per_replica_batch, drop_remainder=True).map(lambda i: drop_none(_gather(tensors, i)))
         return ds.prefetch(tf.data.AUTOTUNE).with_options(options())
 
     return dataset_fn

@@ -255,7 +255,7 @@ class Controller:
         if self.eval_examples is not None and count != self.eval_examples:
             raise RuntimeError(f"Evaluation counted {count} examples, expected {self.eval_examples}.")
         self.val_examples = count
-        return self.steps.layout.results(totals, prefix="val_")
+        return self.steps.eval_layout.results(totals, prefix="val_")
 
     def run(self, start_step: int) -> LoopResult:
         plan, backend, steps = self.plan, self.backend, self.steps
@@ -287,6 +287,7 @@ class Controller:
             while step < plan.total_steps and not self.model.stop_training:
                 epoch = step // plan.steps_per_epoch
                 if not epoch_open:
+                    steps.reset_metrics()
                     self.callbacks.on_epoch_begin(epoch)
                     epoch_open = True
                 boundary = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
@@ -332,7 +333,7 @@ class Controller:
                         if not agreed_stop and not self.batch_hooks:
                             fill()  # The next execution runs while this one's results are handled.
                         nonfinite = int(round(float(totals[1])))
-                        epoch_totals += totals
+                        epoch_totals = layout.combine(epoch_totals, totals)
                         if self.batch_hooks:
                             batch_logs = layout.results(epoch_totals)
                             if nonfinite and not self.loss_scaling:
@@ -356,7 +357,7 @@ class Controller:
                             last_totals = totals
                             if first_loss is None:
                                 first_loss = _loss(layout, totals)
-                        summary_totals = totals if summary_totals is None else summary_totals + totals
+                        summary_totals = totals if summary_totals is None else layout.combine(summary_totals, totals)
                         if not self.summary_every or step // self.summary_every != (step - num) // self.summary_every:
                             self._train_summaries(layout.results(summary_totals), step)
                             summary_totals = None

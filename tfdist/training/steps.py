@@ -50,20 +50,30 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training import keras_hooks
+from tfdist.training import custom_steps, keras_hooks
 
 NUM_SCALARS = 3  # examples, non-finite losses, stop requests.
 
 
 class MetricLayout:
-    """Where each of the model's metric variables sits in the flat totals vector."""
+    """Where each of the model's metric variables sits in the flat totals vector.
 
-    def __init__(self, model: keras.Model):
+    ``[examples, non-finite steps, stop requests, metric state...]``, summed over
+    replicas, steps and executions. A custom step (`tfdist.training.custom_steps`)
+    adds ``logs``: a tail holding its last step's non-metric logs, replaced by
+    each step instead of summed, and ``keys``: the log keys it returns, in order.
+    """
+
+    def __init__(self, model: keras.Model, *, keys: Optional[Sequence[str]] = None,
+                 logs: Optional[custom_steps.LogLayout] = None):
         self.metrics = list(model.metrics)
         self.variables = [v for m in self.metrics for v in m.variables]
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
-        self.size = NUM_SCALARS + sum(self.sizes)
+        self.base = NUM_SCALARS + sum(self.sizes)
+        self.keys = list(keys) if keys is not None else None
+        self.logs = logs
+        self.size = self.base + (logs.size if logs is not None else 0)
 
     def zeros(self) -> list[tf.Tensor]:
         return [tf.zeros(v.shape, v.dtype) for v in self.variables]
@@ -73,8 +83,28 @@ class MetricLayout:
         parts += [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in values]
         return tf.concat(parts, 0)
 
+    def add_step(self, totals: tf.Tensor, scalars: Sequence[tf.Tensor], values: Sequence[tf.Tensor],
+                 tail: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """``totals`` with one step added (compiled); a custom step's ``tail`` replaces the last one."""
+        summed = totals[:self.base] + self.pack(scalars, values)
+        if self.logs is None:
+            return summed
+        return tf.concat([summed, tail if tail is not None else totals[self.base:]], 0)
+
+    def combine(self, earlier: np.ndarray, later: np.ndarray) -> np.ndarray:
+        """Two executions' totals (on the host): sums, and the later logs tail where it holds a step."""
+        combined = np.asarray(earlier, np.float64) + np.asarray(later, np.float64)
+        if self.logs is not None:
+            tail = later[self.base:] if later[self.base] > 0 else earlier[self.base:]
+            combined[self.base:] = tail
+        return combined
+
     def results(self, totals: np.ndarray, prefix: str = "") -> dict[str, float]:
-        """Keras' own names and values (`Model.get_metrics_result`) for summed states."""
+        """Keras' own names and values (`Model.get_metrics_result`) for summed states.
+
+        For a custom step: its own keys, each a metric's result where it names one,
+        else the last step's value.
+        """
         values, offset = [], NUM_SCALARS
         for shape, size, variable in zip(self.shapes, self.sizes, self.variables):
             values.append(np.asarray(totals[offset:offset + size], variable.dtype).reshape(shape))
@@ -87,8 +117,11 @@ class MetricLayout:
             start += count
             items = result.items() if isinstance(result, dict) else [(metric.name, result)]
             for name, value in items:
-                logs[prefix + name] = float(np.asarray(value))
-        return logs
+                logs[name] = float(np.asarray(value))
+        if self.keys is not None:
+            last = self.logs.results(np.asarray(totals[self.base:])) if self.logs is not None else {}
+            logs = {key: logs[key] if key in logs else last[key] for key in self.keys}
+        return {prefix + name: value for name, value in logs.items()}
 
 
 def _batch_size(x: Any) -> tf.Tensor:
@@ -272,17 +305,24 @@ class StepFunctions:
     """The compiled training and evaluation executions for one model under one backend."""
 
     def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
-                 jit_compile: bool = False):
+                 jit_compile: bool = False, train_example: Any = None, eval_example: Any = None):
+        """``train_example``/``eval_example``: a batch's element structure (`custom_steps.keras_data`),
+        for models with a custom ``train_step``/``test_step`` (traced once, `custom_steps.probe`)."""
         self.model = model
         self.backend = backend
         self.optimizer = model.optimizer
         self.accum = grad_accum_steps
         self.step_counter = step_counter
-        self.layout = MetricLayout(model)
         keras_hooks.check_internals(model, asynchronous=backend.asynchronous)
         # The parts a global batch is split into: each computes the one-device loss of its examples.
         self.parts = backend.num_replicas * grad_accum_steps
-        self.loss_kind = loss_kind(model, self.parts)
+        self.custom_train = custom_steps.overrides(model, "train_step")
+        self.custom_test = custom_steps.overrides(model, "test_step")
+        self.loss_kind = "mean" if self.custom_train else loss_kind(model, self.parts)
+        self.gradients = custom_steps.GlobalGradients(custom_steps.optimizers_of(model), backend, error=UserError)
+        self.layout = self._custom_layout("train_step", train_example) if self.custom_train else MetricLayout(model)
+        self.eval_layout = self._custom_layout("test_step", eval_example) if self.custom_test else \
+            (MetricLayout(model) if self.custom_train else self.layout)
         self._updated: dict[int, Any] = {}  # State the traced forward passes write (ids), for `synced`.
         self.jit_compile = jit_compile
         # XLA compiles one step (as Keras does); the loop around it reads the iterator.
@@ -290,6 +330,20 @@ class StepFunctions:
             else self._distributed_train_step
         self.train_chunk = backend.compile(self._train_chunk)
         self.eval_chunk = backend.compile(self._eval_chunk)
+
+    def _custom_layout(self, name: str, example: Any) -> MetricLayout:
+        plain = MetricLayout(self.model)
+        if example is None:
+            raise ValueError(f"A model with a custom {name} needs an example batch to trace it.")
+        keys = custom_steps.probe(self.model, self.backend, name, example, self.gradients, error=UserError)
+        names = set(plain.results(np.zeros(plain.size)))
+        return MetricLayout(self.model, keys=keys, logs=custom_steps.LogLayout([k for k in keys if k not in names]))
+
+    def reset_metrics(self) -> None:
+        """At an epoch's start, as Keras' fit: a custom step's own trackers count from zero (its logs read them)."""
+        if self.custom_train:
+            for metric in self.model.metrics:
+                metric.reset_state()
 
     @property
     def synced(self) -> list:
@@ -376,7 +430,26 @@ class StepFunctions:
         stacked = tf.nest.map_structure(split, data)
         return [tf.nest.map_structure(lambda t, i=i: t[i], stacked) for i in range(k)]
 
+    def _replica_custom_train_step(self, element: Any, stop: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
+        """The user's ``train_step`` on this replica's batch, with global-batch gradients (`custom_steps`)."""
+        layout = self.layout
+        data = custom_steps.keras_data(element)
+        examples = custom_steps.batch_size(data)
+        total = examples * self.backend.num_replicas  # Every replica holds the same number of examples.
+        state = [tf_variable(v) for v in layout.variables]
+        before = [v.read_value() for v in state]
+        with self.gradients.replica_step(examples, total), keras_hooks.one_replica_losses():
+            logs = self.model.train_step(data)
+        deltas = [v.read_value() - b for v, b in zip(state, before)]
+        self.backend.apply_step(lambda: None, self.step_counter)
+        nonfinite = 1.0 - tf.cast(self.gradients.all_finite(), tf.float32)
+        share = nonfinite / float(self.backend.num_replicas)
+        tail = layout.logs.pack(examples, logs) if layout.logs is not None else None
+        return layout.add_step(totals, [examples, share, stop], deltas, tail)
+
     def _replica_train_step(self, data: Any, stop: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
+        if self.custom_train:
+            return self._replica_custom_train_step(data, stop, totals)
         grads, deltas, examples = None, None, 0
         for micro in self._micro_batches(data):
             x, y, sample_weight = _unpack(micro)
@@ -393,7 +466,7 @@ class StepFunctions:
             # The update and the step count (parameter servers: only a step no earlier run claimed).
             self.backend.apply_step(lambda: self.optimizer.apply(grads, variables), self.step_counter, ready=grads)
         share = nonfinite / float(self.backend.num_replicas)
-        return totals + self.layout.pack([examples, share, stop], deltas)
+        return self.layout.add_step(totals, [examples, share, stop], deltas)
 
     @contextlib.contextmanager
     def _keras_optimizer_hooks(self) -> Iterator[None]:
@@ -408,6 +481,9 @@ class StepFunctions:
 
     def _zeros(self) -> tf.Tensor:
         return tf.zeros([self.layout.size], tf.float32)
+
+    def _eval_zeros(self) -> tf.Tensor:
+        return tf.zeros([self.eval_layout.size], tf.float32)
 
     def _train_chunk(self, iterator: Any, num_steps: tf.Tensor, stop: Any) -> tf.Tensor:
         backend = self.backend
@@ -435,8 +511,26 @@ class StepFunctions:
         if model._compile_metrics is not None:
             model._compile_metrics.update_state(y, y_pred, weight)
 
+    def _replica_custom_eval_step(self, element: tuple, mask: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
+        layout = self.eval_layout
+
+        def update() -> tf.Tensor:
+            data = custom_steps.keras_data(element)
+            state = [tf_variable(v) for v in layout.variables]
+            before = [v.read_value() for v in state]
+            with keras_hooks.one_replica_losses():
+                logs = self.model.test_step(data)
+            deltas = [v.read_value() - b for v, b in zip(state, before)]
+            examples = tf.reduce_sum(mask)
+            tail = layout.logs.pack(examples, logs) if layout.logs is not None else None
+            return layout.add_step(totals, [examples, 0.0, 0.0], deltas, tail)
+
+        return tf.cond(tf.size(mask) > 0, update, lambda: totals)
+
     def _replica_eval_step(self, data: Any, totals: tf.Tensor) -> tf.Tensor:
         *element, mask = data  # (x, y, mask) or (x, y, sample_weight, mask): `inputs.eval_arrays_fn`.
+        if self.custom_test:
+            return self._replica_custom_eval_step(tuple(element), mask, totals)
         x, y, weight = _unpack(tuple(element))
 
         def update() -> tf.Tensor:
@@ -445,14 +539,14 @@ class StepFunctions:
                 y_pred = _mask_padding(y_pred, mask)
             _, _, deltas = self._tracked_loss(x, y, y_pred, weight, training=False,
                                               added=_forward_losses(self.model), mask=mask)
-            return totals + self.layout.pack([tf.reduce_sum(mask), 0.0, 0.0], deltas)
+            return self.eval_layout.add_step(totals, [tf.reduce_sum(mask), 0.0, 0.0], deltas)
 
         # The last eval batches of some replicas may be empty (no collectives here).
         return tf.cond(tf.size(mask) > 0, update, lambda: totals)
 
     def _eval_chunk(self, iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
         backend = self.backend
-        totals = backend.run_eval(self._zeros, ())
+        totals = backend.run_eval(self._eval_zeros, ())
         for _ in tf.range(num_steps):
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
             totals = backend.run_eval(self._replica_eval_step, (next(iterator), totals))
@@ -461,23 +555,22 @@ class StepFunctions:
 
 def check_model(model: keras.Model, error: Callable[[str], Exception]) -> None:
     """Refuses models tfdist cannot train faithfully, before any step."""
-    from keras.src.trainers.trainer import Trainer
-
     if not getattr(model, "compiled", False) or model.optimizer is None:
         raise error("The model is not compiled; call model.compile(optimizer=..., loss=..., metrics=...) under "
                     "the strategy's scope before tfdist.fit.")
-    base = type(model).__mro__
-    for name in ("train_step", "test_step"):
-        own = getattr(type(model), name)
-        keras_own = [getattr(c, name) for c in base if c.__module__.startswith("keras.src.backend.tensorflow")
-                     and name in c.__dict__]
-        if keras_own and own is not keras_own[0]:
-            raise error(
-                f"{type(model).__name__} overrides {name}(); tfdist.fit runs its own distributed step (the "
-                "gradient all-reduce, loss scaling and metric reduction happen there), so a custom "
-                f"{name} cannot be honoured. Move custom loss logic into compute_loss() (which tfdist calls) "
-                "or train with your own loop.")
-    del Trainer
+
+
+def check_custom_steps(model: keras.Model, backend: Backend, *, grad_accum_steps: int,
+                       error: Callable[[str], Exception]) -> None:
+    """Refuses, before any step, what a custom ``train_step``/``test_step`` cannot be given on this backend."""
+    custom = [name for name in ("train_step", "test_step") if custom_steps.overrides(model, name)]
+    if not custom:
+        return
+    what = f"{type(model).__name__} overrides {' and '.join(n + '()' for n in custom)}"
+    if "train_step" in custom and grad_accum_steps > 1:
+        raise error(f"{what}; grad_accum_steps={grad_accum_steps} would have to split the user's step into "
+                    "micro-batches, which tfdist cannot do inside code it does not own. Use grad_accum_steps=1 "
+                    "(a larger batch over more replicas trains the same global batch).")
 
 
 def check_metrics(model: keras.Model, error: Callable[[str], Exception]) -> None:
