@@ -246,12 +246,13 @@ def test_bad_input_is_refused_before_training():
 
     class Custom(keras.Model):
         def train_step(self, data):
-            return {}
+            return [0.0]
 
     inputs = keras.Input((2,))
     custom = Custom(inputs, keras.layers.Dense(1)(inputs))
     custom.compile(optimizer="sgd", loss="mse")
-    bad(r"overrides train_step\(\)", custom, np.zeros((8, 2)), np.zeros(8), batch_size=4)
+    bad(r"Custom.train_step\(\) returned list, not a dict of logs", custom, np.zeros((8, 2)), np.zeros(8),
+        batch_size=4)
 
 
 def test_model_built_outside_the_scope_is_refused():

@@ -114,6 +114,7 @@ class GlobalGradients:
         self.error = error
         self.state = _StepState()
         self.unbuilt: list = []  # (optimizer, variables) found unbuilt by `probe` (any thread).
+        self.refused: list = []  # UserErrors raised inside a trace (autograph rewraps them; `probe` re-raises).
 
     @contextlib.contextmanager
     def replica_step(self, examples: tf.Tensor, total: tf.Tensor) -> Iterator[None]:
@@ -176,11 +177,12 @@ class GlobalGradients:
             return
         for variable in variables:
             if not extended.variable_created_in_scope(tf_variable(variable)):
-                raise self.error(
+                self.refused.append(self.error(
                     f"The custom train_step calls {type(opt).__name__}.apply on variable "
                     f"{getattr(variable, 'path', variable.name)}, which was not created under the strategy's scope; "
                     "its updates could not reach the other replicas. Create every layer and variable the step "
-                    "trains inside `with strategy.scope():` (with the strategy from tfdist.make_strategy).")
+                    "trains inside `with strategy.scope():` (with the strategy from tfdist.make_strategy)."))
+                raise self.refused[-1]
 
     def _global(self, grads: list) -> list:
         """This replica's gradients weighted by n_r / N, summed over all replicas (the global batch's)."""
@@ -214,12 +216,24 @@ class LogLayout:
 
     def pack(self, examples: tf.Tensor, logs: dict) -> tf.Tensor:
         n = tf.cast(examples, tf.float32)
+        logs = flatten_logs(logs)
         values = [tf.reshape(tf.cast(logs[k], tf.float32), []) * n for k in self.keys]
         return tf.stack([n] + values)
 
     def results(self, tail: np.ndarray) -> dict[str, float]:
         n = float(tail[0])
         return {k: (float(tail[1 + i]) / n if n else float("nan")) for i, k in enumerate(self.keys)}
+
+
+def flatten_logs(logs: dict) -> dict:
+    """Nested dicts of logs (``CompileMetrics.result()``) flattened into one, sorted, as Keras' fit does."""
+    flat: dict = {}
+    for key, value in sorted(logs.items()):
+        if isinstance(value, dict):
+            flat.update(flatten_logs(value))
+        else:
+            flat[str(key)] = value
+    return flat
 
 
 def _symbolic_spec(example: Any) -> Any:
@@ -246,10 +260,30 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
     created: list = []
     keys: list[str] = []
 
+    attempted: list[str] = []
+    refused: list[Exception] = []  # Raised inside the trace, where autograph would rewrap them.
+
+    def refuse(message: str) -> Exception:
+        refused.append(error(message))
+        return refused[-1]
+
     def record(next_creator: Callable, **kwargs: Any) -> Any:
+        attempted.append(str(kwargs.get("name") or "Variable"))
         variable = next_creator(**kwargs)
         created.append(variable)
         return variable
+
+    def foreign_error(names: Sequence[str]) -> Exception:
+        return error(
+            f"{type(model).__name__}.{name}() creates variables that are not the model's, its metrics' or its "
+            f"optimizers' ({', '.join(sorted(set(names))[:3])}); a distributed step cannot keep such state in "
+            "step on every replica. Create them in __init__ (or build()) under the strategy's scope, as layer or "
+            "model weights (self.add_weight), and only use them in the step.")
+
+    def known_names() -> set:
+        every = list(model.variables) + [v for m in model.metrics for v in m.variables] + \
+            [v for opt in optimizers_of(model) for v in opt.variables]
+        return {tf_variable(v).name.split(":")[0].split("/")[-1] for v in every} | {v.name for v in every}
 
     def replica(data: Any) -> Any:
         hooks.state.checking = True
@@ -259,13 +293,12 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
         finally:
             hooks.state.checking = False
         if not isinstance(logs, dict):
-            raise error(f"{type(model).__name__}.{name}() returned {type(logs).__name__}, not a dict of logs; "
+            raise refuse(f"{type(model).__name__}.{name}() returned {type(logs).__name__}, not a dict of logs; "
                         "return a dict such as {m.name: m.result() for m in self.metrics}, as Keras expects.")
-        for key, value in logs.items():
+        for key, value in flatten_logs(logs).items():
             shape = getattr(value, "shape", ())
-            if isinstance(value, dict) or (shape is not None and len(shape) > 0 and
-                                           int(np.prod([d if d is not None else 2 for d in shape])) != 1):
-                raise error(
+            if shape is not None and len(shape) > 0 and int(np.prod([d if d is not None else 2 for d in shape])) != 1:
+                raise refuse(
                     f"{type(model).__name__}.{name}() returns the log {key!r} with shape {tuple(shape)}; every log "
                     "value must be a scalar (tfdist averages it over the replicas and shows it in History). "
                     "Reduce it in the step (e.g. keras.ops.mean) or track it with a keras.metrics.Mean.")
@@ -279,12 +312,17 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
     with backend.scope(), tf.variable_creator_scope(record):
         for _ in range(len(optimizers_of(model)) + 1):
             hooks.unbuilt.clear()
+            hooks.refused.clear()
             keys.clear()
+            attempted.clear()
             try:
                 tf.function(traced).get_concrete_function(spec)
-            except UserError:
-                raise
             except Exception as e:
+                if refused or hooks.refused:
+                    raise (refused + hooks.refused)[0] from None
+                strangers = [n for n in attempted if n not in known_names()]
+                if strangers and not hooks.unbuilt:  # Under a strategy the creation itself may fail.
+                    raise foreign_error(strangers) from None
                 if not hooks.unbuilt:
                     if not isinstance(e, (ValueError, TypeError, NotImplementedError, AttributeError,
                                           tf.errors.OpError)):
@@ -304,11 +342,7 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
              + [v for opt in optimizers_of(model) for v in opt.variables]}
     foreign = [v for v in created if id(v) not in known]
     if foreign:
-        raise error(
-            f"{type(model).__name__}.{name}() creates variables that are not the model's, its metrics' or its "
-            f"optimizers' ({', '.join(sorted({v.name for v in foreign})[:3])}); a distributed step cannot keep such "
-            "state in step on every replica. Create them in __init__ (or build()) under the strategy's scope, as "
-            "layer or model weights (self.add_weight), and only use them in the step.")
+        raise foreign_error([v.name.split(":")[0] for v in foreign])
     return keys
 
 

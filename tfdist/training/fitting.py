@@ -607,7 +607,9 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
     train_fn = lambda first: iter(backend.distribute_dataset(source.dataset_fn(plan, backend, first)))  # noqa: E731
     eval_fn, eval_steps, eval_examples = None, 0, None
     if validation is not None:
-        eval_batch = max(plan.per_replica_batch, 64)
+        # Keras validates in batches of batch_size; a custom test_step's trackers (means of batch means)
+        # depend on that partition, so it gets exactly that. Built-in metrics do not: larger batches are faster.
+        eval_batch = plan.per_replica_batch if step_functions.custom_test else max(plan.per_replica_batch, 64)
         eval_steps = inputs.eval_steps(validation.num_examples, eval_batch, replicas)
         eval_dataset = backend.distribute_eval_dataset(inputs.eval_arrays_fn(
             validation, per_replica_batch=eval_batch, steps=eval_steps,

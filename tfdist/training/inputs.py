@@ -156,10 +156,10 @@ def _padded_weight(weight: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
 def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False) -> DatasetFn:
     """Per-replica eval batches ``(x, y, mask)``, or ``(x, y, sample_weight, mask)``: every example exactly once.
 
-    Replica r of step s takes positions ``(s * R + r) * b ...``. Positions past
-    the end are dropped, so the last batches are smaller (some may be empty);
-    with `static_shapes` (TPUs) they are padded instead and `mask` (one value
-    per example, shape ``[b]``) is 0 there. The user's sample weights keep their
+    Replica r of step s takes positions ``(s * R + r) * b ...``; a last, short
+    step's n examples are split evenly instead (``n // R`` or one more each; some
+    may be empty). With `static_shapes` (TPUs) the positions past the end are
+    padding instead and `mask` (one value per example, shape ``[b]``) is 0 there. The user's sample weights keep their
     structure and shape (per example ``[b]`` or per timestep ``[b, T]``, one per
     output or one for all), with the padding rows zeroed; without them the
     element has no weight, so the step passes ``sample_weight=None`` as Keras does.
@@ -174,14 +174,18 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
 
         def replica_batch(slot: tf.Tensor) -> tuple:
             step, local = slot // here, slot % here
-            positions = (step * replicas + first_replica + local) * per_replica_batch + tf.range(
-                per_replica_batch, dtype=tf.int64)
-            real = positions < num
+            replica = first_replica + local
             if static_shapes:
+                positions = (step * replicas + replica) * per_replica_batch + tf.range(per_replica_batch,
+                                                                                       dtype=tf.int64)
                 indices = tf.minimum(positions, num - 1)
-                mask = tf.cast(real, tf.float32)
+                mask = tf.cast(positions < num, tf.float32)
             else:
-                indices = tf.boolean_mask(positions, real)
+                # The step's n examples split evenly over the replicas (b each but in a last, short step):
+                # a custom test_step's trackers then see parts of one size wherever n allows.
+                start = step * replicas * per_replica_batch
+                n = tf.clip_by_value(num - start, 0, replicas * per_replica_batch)
+                indices = tf.range(start + replica * n // replicas, start + (replica + 1) * n // replicas)
                 mask = tf.ones(tf.shape(indices), tf.float32)
             bx, by = _gather((x, y), indices)
             if sample_weight is None:

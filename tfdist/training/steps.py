@@ -567,6 +567,13 @@ def check_custom_steps(model: keras.Model, backend: Backend, *, grad_accum_steps
     if not custom:
         return
     what = f"{type(model).__name__} overrides {' and '.join(n + '()' for n in custom)}"
+    if "train_step" in custom and backend.asynchronous:
+        raise error(
+            f"{what}; under parameter servers workers run steps concurrently on shared variables, so the "
+            "metric trackers a custom step updates (and the optimizer updates it makes) cannot be attributed to "
+            "one step or applied exactly once when a worker is lost. Train it with MultiWorkerMirroredStrategy "
+            "(tfdist-launch --num_workers=N), mirrored or Horovod, or move its logic into compute_loss(), "
+            "which tfdist's own step calls on every backend.")
     if "train_step" in custom and grad_accum_steps > 1:
         raise error(f"{what}; grad_accum_steps={grad_accum_steps} would have to split the user's step into "
                     "micro-batches, which tfdist cannot do inside code it does not own. Use grad_accum_steps=1 "
