@@ -327,7 +327,7 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                                ("steps_per_execution", steps_per_execution, 1)):
         if value is not None and value < least:
             raise _fail(f"{name}={value} must be {least} or more.")
-    if array_input and steps_per_epoch > whole:
+    if array_input and steps_per_epoch > whole and not partial_last:
         raise _fail(f"steps_per_epoch={steps_per_epoch} needs {steps_per_epoch * batch_size} examples an epoch, but "
                     f"the arrays hold {num_train} ({whole} whole batches of {batch_size}); use steps_per_epoch="
                     f"{whole} or less.")
@@ -642,7 +642,7 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         eval_steps = inputs.eval_steps(validation.num_examples, eval_batch, replicas)
         eval_dataset = backend.distribute_eval_dataset(inputs.eval_arrays_fn(
             validation, per_replica_batch=eval_batch, steps=eval_steps,
-            static_shapes=backend.device_kind == "tpu"))
+            static_shapes=backend.device_kind == "tpu", even_split=step_functions.custom_test))
         eval_fn = lambda: iter(eval_dataset)  # noqa: E731
         eval_examples = validation.num_examples
     history = keras.callbacks.History()

@@ -175,12 +175,17 @@ def _padded_weight(weight: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
     return weight * tf.reshape(mask, tf.concat([[-1], tf.ones([tf.rank(weight) - 1], tf.int32)], 0))
 
 
-def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False) -> DatasetFn:
+def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False,
+                   even_split: bool = False) -> DatasetFn:
     """Per-replica eval batches ``(x, y, mask)``, or ``(x, y, sample_weight, mask)``: every example exactly once.
 
-    Replica r of step s takes positions ``(s * R + r) * b ...``; a last, short
-    step's n examples are split evenly instead (``n // R`` or one more each; some
-    may be empty). With `static_shapes` (TPUs) the positions past the end are
+    Replica r of step s takes positions ``(s * R + r) * b ...``. Positions past
+    the end are dropped, so the last batches are smaller (some may be empty):
+    a masked loss, a mean over each batch's unmasked entries, then sees the
+    batches Keras sees where the short one fits one replica. With `even_split`
+    (a custom ``test_step``, whose trackers average per-replica batch means) a
+    last, short step's n examples are split evenly instead (``n // R`` or one
+    more each). With `static_shapes` (TPUs) the positions past the end are
     padding instead and `mask` (one value per example, shape ``[b]``) is 0 there. The user's sample weights keep their
     structure and shape (per example ``[b]`` or per timestep ``[b, T]``, one per
     output or one for all), with the padding rows zeroed; without them the
@@ -197,11 +202,14 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
         def replica_batch(slot: tf.Tensor) -> tuple:
             step, local = slot // here, slot % here
             replica = first_replica + local
+            positions = (step * replicas + replica) * per_replica_batch + tf.range(per_replica_batch,
+                                                                                   dtype=tf.int64)
             if static_shapes:
-                positions = (step * replicas + replica) * per_replica_batch + tf.range(per_replica_batch,
-                                                                                       dtype=tf.int64)
                 indices = tf.minimum(positions, num - 1)
                 mask = tf.cast(positions < num, tf.float32)
+            elif not even_split:
+                indices = tf.boolean_mask(positions, positions < num)
+                mask = tf.ones(tf.shape(indices), tf.float32)
             else:
                 # The step's n examples split evenly over the replicas (b each but in a last, short step):
                 # a custom test_step's trackers then see parts of one size wherever n allows.
