@@ -89,8 +89,11 @@ def train_arrays_fn(
     seed: int,
     start_step: int = 0,
     total_steps: Optional[int] = None,
+    shuffle: bool = True,
 ) -> DatasetFn:
     """Per-replica training batches in the topology-independent order (module docstring).
+
+    Without `shuffle` every epoch takes the examples in input order (`tfdist.fit(shuffle=False)`).
 
     `start_step` skips the steps an interrupted run already trained, so a
     resumed run sees exactly the data the uninterrupted run would have.
@@ -112,7 +115,8 @@ def train_arrays_fn(
             offset = (step % steps_per_epoch) * global_batch + first_replica * per_replica_batch
             positions = offset + tf.range(here * per_replica_batch, dtype=tf.int64)
             indices = tf.random.experimental.index_shuffle(
-                positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+                positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1) if shuffle \
+                else positions
             batch = _gather(tensors, tf.reshape(indices, [here, per_replica_batch]))
             return tf.data.Dataset.from_tensor_slices(_drop_none(batch))
 
