@@ -170,7 +170,7 @@ def test_validation_split_is_refused_for_datasets_and_too_few_examples():
     with pytest.raises(tfdist.UserError, match="validation_split is only supported for arrays"):
         tfdist.fit(model, dataset, validation_split=0.2, verbose=0, strategy=strategy)
     with pytest.raises(tfdist.UserError, match="not sufficient to split"):
-        tfdist.fit(model, X[:2], Y[:2], batch_size=1, validation_split=0.1, verbose=0, strategy=strategy)
+        tfdist.fit(model, X[:1], Y[:1], batch_size=1, validation_split=0.1, verbose=0, strategy=strategy)
     with pytest.raises(tfdist.UserError, match=r"validation_split=1\.5 must be a float in \[0, 1\)"):
         tfdist.fit(model, X, Y, batch_size=32, validation_split=1.5, verbose=0, strategy=strategy)
 
