@@ -66,7 +66,7 @@ def test_shuffle_true_is_seeded_the_same_on_every_topology_and_not_input_order()
     weights = []
     for name, options in strategies():
         model, strategy = tfdist_model(name, options)
-        tfdist.fit(model, X, Y, batch_size=32, epochs=1, verbose=0, strategy=strategy, seed=3)
+        tfdist.fit(model, X, Y, batch_size=32, epochs=1, verbose=0, strategy=strategy, seed=3, shuffle=True)
         weights.append(model.get_weights())
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, atol=1e-5)
