@@ -356,3 +356,28 @@ def test_iou_metrics_reduce_exactly_across_replicas_as_keras():
             assert len(expected) == 2 * (1 + len(kwargs["metrics"]))
             assert_same_history(history.history, expected, atol=1e-6)
             assert_same_weights(model, reference)
+
+
+# Two real workers ---------------------------------------------------------------------
+def test_two_workers_train_as_keras_with_the_extra_arguments(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+
+    result = subprocess.run([sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2", "--", sys.executable,
+                             "tests/programs/fit_args_workers.py", str(tmp_path)], capture_output=True, text=True,
+                            timeout=240, cwd=REPO, env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    arrays, py_dataset = model_fn(), model_fn()
+    expected = arrays.fit(X, Y, batch_size=32, epochs=4, initial_epoch=1, shuffle=False, class_weight=CLASS_WEIGHT,
+                          validation_split=0.25, validation_freq=2, verbose=0).history
+    py_dataset.fit(Batches(), epochs=2, shuffle=False, verbose=0)
+    wanted = arrays.get_weights() + py_dataset.get_weights()
+    for task in (0, 1):
+        saved = np.load(tmp_path / f"task{task}.npz")
+        got = [saved[f"arr_{i}"] for i in range(len(wanted))]
+        for a, b in zip(got, wanted):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        assert_same_history(json.loads(str(saved["history"])), expected)
