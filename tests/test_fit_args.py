@@ -133,6 +133,11 @@ def test_class_weight_matches_keras_for_sparse_and_one_hot_targets_and_datasets(
     model, strategy = tfdist_model("mirrored", MIRRORED)
     tfdist.fit(model, dataset, epochs=1, verbose=0, class_weight=CLASS_WEIGHT, strategy=strategy, shuffle=False)
     assert_same_weights(model, reference)
+    per_replica = lambda ctx: tf.data.Dataset.from_tensor_slices((X, Y)).batch(16, drop_remainder=True)  # noqa: E731
+    model, strategy = tfdist_model("mirrored", MIRRORED)
+    tfdist.fit(model, per_replica, batch_size=32, steps_per_epoch=8, verbose=0, class_weight=CLASS_WEIGHT,
+               strategy=strategy)
+    assert_same_weights(model, reference)
 
 
 def test_class_weight_is_refused_where_keras_refuses_it():
@@ -346,12 +351,12 @@ def test_iou_metrics_reduce_exactly_across_replicas_as_keras():
         val = (X[:100], targets[:100])  # 100: the last validation batch splits unevenly over the replicas.
         reference = model_fn(**{**kwargs, "metrics": [m.__class__.from_config(m.get_config())
                                                       for m in kwargs["metrics"]]})
-        expected = reference.fit(X, targets, batch_size=32, epochs=2, shuffle=False, verbose=0,
+        expected = reference.fit(X, targets, batch_size=32, epochs=1, shuffle=False, verbose=0,
                                  validation_data=val).history
         for name, options in strategies():
             model, strategy = tfdist_model(name, options, **{**kwargs, "metrics": [
                 m.__class__.from_config(m.get_config()) for m in kwargs["metrics"]]})
-            history = tfdist.fit(model, X, targets, batch_size=32, epochs=2, shuffle=False, verbose=0,
+            history = tfdist.fit(model, X, targets, batch_size=32, epochs=1, shuffle=False, verbose=0,
                                  validation_data=val, strategy=strategy)
             assert len(expected) == 2 * (1 + len(kwargs["metrics"]))
             assert_same_history(history.history, expected, atol=1e-6)
