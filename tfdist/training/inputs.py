@@ -97,8 +97,11 @@ def train_arrays_fn(
     start_step: int = 0,
     total_steps: Optional[int] = None,
     partial_last: bool = False,
+    shuffle: bool = True,
 ) -> DatasetFn:
     """Per-replica training batches in the topology-independent order (module docstring).
+
+    Without `shuffle` every epoch takes the examples in input order (`tfdist.fit(shuffle=False)`).
 
     `start_step` skips the steps an interrupted run already trained, so a
     resumed run sees exactly the data the uninterrupted run would have. With
@@ -122,19 +125,22 @@ def train_arrays_fn(
         def step_batches(step: tf.Tensor) -> tf.data.Dataset:
             epoch = step // steps_per_epoch
             start = (step % steps_per_epoch) * global_batch
+
+            def order(positions: tf.Tensor) -> tf.Tensor:
+                if not shuffle:
+                    return positions
+                return tf.random.experimental.index_shuffle(
+                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+
             if not partial_last:
                 offset = start + first_replica * per_replica_batch
-                positions = offset + tf.range(here * per_replica_batch, dtype=tf.int64)
-                indices = tf.random.experimental.index_shuffle(
-                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+                indices = order(offset + tf.range(here * per_replica_batch, dtype=tf.int64))
                 batch = _gather(tensors, tf.reshape(indices, [here, per_replica_batch]))
                 return tf.data.Dataset.from_tensor_slices(drop_none(batch))
             n = tf.minimum(tf.constant(global_batch, tf.int64), num - start)
 
             def replica_batch(local: tf.Tensor) -> tuple:
-                positions = split_range(start, n, replicas, first_replica + local)
-                indices = tf.random.experimental.index_shuffle(
-                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+                indices = order(split_range(start, n, replicas, first_replica + local))
                 return drop_none(_gather(tensors, indices)) + (tf.cast(n, tf.float32),)
 
             return tf.data.Dataset.range(here).map(replica_batch)
