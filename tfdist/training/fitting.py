@@ -166,21 +166,24 @@ def _first_batch_size(dataset: tf.data.Dataset) -> int:
 def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
     """The examples in one pass over a dataset of batches (Keras trains each pass as an epoch).
 
-    With a known number of batches, from the batch size and the last batch (one
-    element read); otherwise, and for batches of varying size, by reading the
-    batch sizes of one pass.
+    From the number of batches and the batch size, or, where the batches have no
+    static size, the first and the last batch (two elements read; the others
+    are taken to be as large as the first, as ``dataset.batch(b)`` makes them).
     """
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise _fail("The training dataset is infinite (it repeats); pass steps_per_epoch= (steps in an epoch), "
                     "as Keras' fit asks.")
-    if cardinality > 0 and static is not None:
+    if cardinality == tf.data.UNKNOWN_CARDINALITY:  # It may never end (a generator): reading it could hang.
+        raise _fail("The training dataset's length is unknown (it may be infinite: from_generator(), filter(), "
+                    "an infinite PyDataset, ...); pass steps_per_epoch= (steps in an epoch), or give it its length with "
+                    "dataset.apply(tf.data.experimental.assert_cardinality(batches)).")
+    if cardinality == 0:
+        raise _fail("The training dataset is empty.")
+    if static is not None:
         return cardinality * static
-    if cardinality > 0:
-        first, last = _first_batch_size(dataset), _first_batch_size(dataset.skip(cardinality - 1))
-        return (cardinality - 1) * first + last
-    sizes = dataset.map(lambda *e: tf.shape(tf.nest.flatten(e)[0], out_type=tf.int64)[0])
-    return int(sizes.reduce(tf.constant(0, tf.int64), lambda total, n: total + n))
+    first, last = _first_batch_size(dataset), _first_batch_size(dataset.skip(cardinality - 1))
+    return (cardinality - 1) * first + last
 
 
 def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: Any, batch_size: Any,
@@ -222,7 +225,7 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
         return _Source("dataset_fn", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
                        steps_per_epoch=steps_per_epoch, function=x, spec=spec, model=model)
     if batch_size is None:
-        raise _fail("batch_size=None: pass the global batch size (examples per optimizer step over all replicas).")
+        batch_size = 32  # Keras' default for arrays: the global batch, over all replicas.
     arrays = arrays_from(model, x, y, sample_weight, "x/y")
     return _Source("arrays", batch_size=batch_size, num_examples=arrays.num_examples,
                    steps_per_epoch=steps_per_epoch, arrays=arrays)
