@@ -236,7 +236,8 @@ def _check_scope(model: keras.Model, backend: Backend) -> None:
         strategy_default = True
     else:
         strategy_default = False
-    for variable in list(model.weights) + list(model.optimizer.variables):
+    optimizer = list(model.optimizer.variables) if model.optimizer is not None else []  # None: tfdist.predict.
+    for variable in list(model.weights) + optimizer:
         value = tf_variable(variable)
         if strategy_default or extended is None:
             if isinstance(value, tf.distribute.DistributedValues):

@@ -272,7 +272,7 @@ class StepFunctions:
     """The compiled training and evaluation executions for one model under one backend."""
 
     def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
-                 jit_compile: bool = False):
+                 jit_compile: bool = False, training: bool = True):
         self.model = model
         self.backend = backend
         self.optimizer = model.optimizer
@@ -282,7 +282,8 @@ class StepFunctions:
         keras_hooks.check_internals(model, asynchronous=backend.asynchronous)
         # The parts a global batch is split into: each computes the one-device loss of its examples.
         self.parts = backend.num_replicas * grad_accum_steps
-        self.loss_kind = loss_kind(model, self.parts)
+        # Evaluation only (`tfdist.evaluate`): no gradient is split, so any loss is exact.
+        self.loss_kind = loss_kind(model, self.parts) if training else "mean"
         self._updated: dict[int, Any] = {}  # State the traced forward passes write (ids), for `synced`.
         self.jit_compile = jit_compile
         # XLA compiles one step (as Keras does); the loop around it reads the iterator.
