@@ -94,8 +94,9 @@ def _read_dataset(data: Any, steps: Optional[int], batch_size: Optional[int], wh
     return (*_unpack(joined), int(len(first)))
 
 
-def _batch_size(batch_size: Optional[int]) -> int:
-    batch_size = KERAS_BATCH_SIZE if batch_size is None else batch_size
+def _batch_size(batch_size: Optional[int], steps: Optional[int], num_examples: int) -> int:
+    if batch_size is None:  # Keras' array adapter: steps without a batch size spread the examples over them.
+        batch_size = -(-num_examples // int(steps)) if steps else KERAS_BATCH_SIZE
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise _fail(f"batch_size={batch_size!r} must be a positive number of examples per batch (Keras' batch; "
                     "each replica evaluates whole batches).")
@@ -113,6 +114,7 @@ def _held_out(model: keras.Model, x: Any, y: Any, sample_weight: Any, batch_size
     """The examples to evaluate (with targets) or predict, as arrays, and Keras' batch size."""
     if steps is not None and (isinstance(steps, bool) or int(steps) < 1):
         raise _fail(f"steps={steps!r} must be a positive number of batches, or None (all the data).")
+    batch = None
     if isinstance(x, tf.data.Dataset) or callable(x):
         if y is not None or sample_weight is not None:
             raise _fail("x is a dataset, so y and sample_weight must come from it; drop y=/sample_weight=.")
@@ -120,12 +122,12 @@ def _held_out(model: keras.Model, x: Any, y: Any, sample_weight: Any, batch_size
         if not targets:
             y = sample_weight = None
         steps = None  # Already taken.
-    else:
-        batch = _batch_size(batch_size)
     if targets:
         arrays = fitting.arrays_from(model, x, y, sample_weight, "x/y")
     else:
         arrays = _predict_arrays(model, x)
+    if batch is None:
+        batch = _batch_size(batch_size, steps, arrays.num_examples)
     if steps is not None:
         arrays = _first(arrays, int(steps) * batch)
     if arrays.num_examples < 1:

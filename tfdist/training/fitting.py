@@ -236,7 +236,8 @@ def _check_scope(model: keras.Model, backend: Backend) -> None:
         strategy_default = True
     else:
         strategy_default = False
-    optimizer = list(model.optimizer.variables) if model.optimizer is not None else []  # None: tfdist.predict.
+    optimizer = getattr(model, "optimizer", None)  # None: an uncompiled model (tfdist.predict).
+    optimizer = list(optimizer.variables) if optimizer is not None else []
     for variable in list(model.weights) + optimizer:
         value = tf_variable(variable)
         if strategy_default or extended is None:
