@@ -290,10 +290,11 @@ def evaluate(
 
 # predict -------------------------------------------------------------------------------------
 def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: int) -> inputs.DatasetFn:
-    """Per-replica batches ``(x, positions, mask)`` in `inputs.eval_arrays_fn`'s layout, always padded.
+    """Per-replica batches ``(x, positions)`` in `inputs.eval_arrays_fn`'s layout, always padded (static shapes).
 
-    ``positions`` are the examples' indices in the input (past the end for
-    padding rows, whose ``mask`` is 0 and whose inputs repeat the last example).
+    ``positions`` are the examples' indices in the input; padding rows (whose
+    inputs repeat the last example) have positions past the end, so their
+    predictions land past the last row and are cut off on the host.
     """
     num = arrays.num_examples
 
@@ -308,8 +309,7 @@ def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: i
             positions = (step * replicas + first_replica + local) * per_replica_batch + tf.range(
                 per_replica_batch, dtype=tf.int64)
             indices = tf.minimum(positions, num - 1)
-            return tf.nest.map_structure(lambda t: tf.gather(t, indices), x), positions, \
-                tf.cast(positions < num, tf.float32)
+            return tf.nest.map_structure(lambda t: tf.gather(t, indices), x), positions
 
         ds = tf.data.Dataset.range(steps * here).map(replica_batch)
         return ds.prefetch(tf.data.AUTOTUNE).with_options(inputs.options())
@@ -328,17 +328,11 @@ class _Predictor:
         return [tf.zeros((self.window, *shape), dtype) for shape, dtype in self.specs]
 
     def _replica_step(self, element: tuple, buffers: list, offset: tf.Tensor) -> list[tf.Tensor]:
-        x, positions, mask = element
+        x, positions = element
         outputs = tf.nest.flatten(self.model(x, training=False))
-        rows = tf.reshape(positions - offset, [-1, 1])
-        real = mask > 0
-        written = []
-        for buffer, output in zip(buffers, outputs):
-            output = tf.cast(output, buffer.dtype)
-            keep = tf.reshape(real, tf.concat([[-1], tf.ones([tf.rank(output) - 1], tf.int32)], 0))
-            # A select, not a product: a padding row's inf or NaN must not reach the sum.
-            written.append(tf.tensor_scatter_nd_add(buffer, rows, tf.where(keep, output, tf.zeros_like(output))))
-        return written
+        rows = tf.reshape(positions - offset, [-1, 1])  # Within the window: the execution's steps cover it.
+        return [tf.tensor_scatter_nd_add(buffer, rows, tf.cast(output, buffer.dtype))
+                for buffer, output in zip(buffers, outputs)]
 
     def _chunk(self, iterator: Any, num_steps: tf.Tensor, offset: tf.Tensor) -> list[tf.Tensor]:
         backend = self.backend
@@ -392,6 +386,9 @@ def predict(
     num_steps = _num_steps(num, batch, backend)
     leaves = tf.nest.flatten(spec)
     specs = [(tuple(leaf.shape)[1:], tf.as_dtype(leaf.dtype)) for leaf in leaves]
+    if any(d is None for shape, _ in specs for d in shape):
+        raise _fail(f"predict: the model's outputs have no fixed shape for these inputs ({[s for s, _ in specs]} "
+                    "per example); tfdist.predict gathers fixed-shape rows. Pad the inputs to a fixed shape.")
     predictor = _Predictor(model, backend, specs, window=per_execution * rows_per_step)
     iterator = iter(backend.distribute_eval_dataset(predict_arrays_fn(arrays, per_replica_batch=batch,
                                                                       steps=num_steps)))
