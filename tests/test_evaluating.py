@@ -276,3 +276,20 @@ def test_two_horovod_ranks_evaluate_and_predict_as_keras(tmp_path):
                             text=True, timeout=300, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_tasks_equal_keras(str(tmp_path), ["rank0", "rank1"])
+
+
+def test_a_custom_test_step_is_refused_before_any_step():
+    class Custom(keras.Sequential):
+        def test_step(self, data):
+            return super().test_step(data)
+
+    with strategy_for("default").scope():
+        model = Custom([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = program.data()[0]
+    with pytest.raises(tfdist.UserError) as raised:
+        tfdist.evaluate(model, x, x[:, :1], verbose=0)
+    assert str(raised.value) == (
+        "Custom overrides test_step(); tfdist.evaluate runs its own distributed step (the compiled loss and "
+        "metrics, reduced exactly across replicas), so a custom test_step cannot be honoured yet. Move custom "
+        "loss logic into compute_loss(), or evaluate with model.evaluate on one device.")
