@@ -31,7 +31,8 @@ def build() -> keras.Model:
     keras.utils.set_random_seed(1)
     inputs = keras.Input((5,), name="x")
     hidden = keras.layers.Dense(8, activation="relu")(inputs)
-    model = keras.Model(inputs, {"a": keras.layers.Dense(3, name="a")(hidden), "b": keras.layers.Dense(1, name="b")(hidden)})
+    outputs = {"a": keras.layers.Dense(3, name="a")(hidden), "b": keras.layers.Dense(1, name="b")(hidden)}
+    model = keras.Model(inputs, outputs)
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss={"a": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "b": "mse"},
                   metrics={"a": ["accuracy"], "b": ["mae"]})
