@@ -283,6 +283,7 @@ def evaluate(
     if counted != arrays.num_examples:
         raise RuntimeError(f"Evaluation counted {counted} examples, expected {arrays.num_examples}.")
     callback_list.on_test_end(logs)
+    backend.leave_last()  # As after fit: the coordination-service leader exits after the other tasks.
     if return_dict:
         return logs
     return model._flatten_metrics_in_order(logs)
@@ -406,5 +407,6 @@ def predict(
         callback_list.on_predict_batch_end(first + count - 1,
                                            {"outputs": tf.nest.pack_sequence_as(spec, rows)})
     callback_list.on_predict_end()
+    backend.leave_last()
     joined = [np.concatenate([p[i] for p in parts]) for i in range(len(leaves))]
     return tf.nest.pack_sequence_as(spec, joined)
