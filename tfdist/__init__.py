@@ -5,8 +5,11 @@
   with strategy.scope():
       model = ...; model.compile(...)
   history = tfdist.fit(model, x, y, batch_size=64, epochs=10, validation_data=(xv, yv))
+  loss, accuracy = tfdist.evaluate(model, x_test, y_test)
+  predictions = tfdist.predict(model, x_test)
 
-Public names: `make_strategy`, `fit`, `UserError` (what bad input raises; a
+Public names: `make_strategy`, `fit`, `evaluate` and `predict` (Keras' `Model.evaluate` and
+`Model.predict` under the same strategy and input handling), `UserError` (what bad input raises; a
 `ValueError`), `Preempted` (raised after SIGTERM saved a checkpoint).
 Entry points: `tfdist-train` (the MNIST program, tfdist.cli.train),
 `tfdist-launch`, `tfdist-env`. Importing this package does not import
@@ -18,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.2.0"
-__all__ = ["make_strategy", "fit", "UserError", "Preempted"]
+__all__ = ["make_strategy", "fit", "evaluate", "predict", "UserError", "Preempted"]
 
 from tfdist.errors import UserError  # noqa: E402  (no TensorFlow import)
 
@@ -32,6 +35,10 @@ def __getattr__(name: str) -> Any:
         from tfdist.training.fitting import fit
 
         return fit
+    if name in ("evaluate", "predict"):
+        from tfdist.training import evaluating
+
+        return getattr(evaluating, name)
     if name == "Preempted":
         from tfdist.training.loop import Preempted
 

@@ -269,7 +269,7 @@ def _check_scope(model: keras.Model, backend: Backend) -> None:
         strategy_default = True
     else:
         strategy_default = False
-    for variable in list(model.weights) + _optimizer_variables(model):
+    for variable in list(model.weights) + _optimizer_variables(model):  # None for an uncompiled model.
         value = tf_variable(variable)
         if strategy_default or extended is None:
             if isinstance(value, tf.distribute.DistributedValues):
@@ -291,7 +291,8 @@ def _optimizer_variables(model: keras.Model) -> list:
 def _build(model: keras.Model, backend: Backend, example: tuple) -> None:
     """Creates all model, metric and optimizer state, under the strategy's scope."""
     x, y, sample_weight = example
-    if custom_steps.overrides(model, "train_step") and not custom_steps.has_call(model):
+    if (custom_steps.overrides(model, "train_step") or custom_steps.overrides(model, "test_step")) and \
+            not custom_steps.has_call(model):
         return  # Nothing to call: its parts are built, and its step is traced before any step (custom_steps.probe).
     with backend.scope():
         try:

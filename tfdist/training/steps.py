@@ -315,9 +315,10 @@ class StepFunctions:
 
     def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
                  jit_compile: bool = False, train_example: Any = None, eval_example: Any = None,
-                 partial_last: bool = False):
+                 partial_last: bool = False, training: bool = True):
         """``train_example``/``eval_example``: a batch's element structure (`custom_steps.keras_data`),
-        for models with a custom ``train_step``/``test_step`` (traced once, `custom_steps.probe`)."""
+        for models with a custom ``train_step``/``test_step`` (traced once, `custom_steps.probe`).
+        ``training=False``: evaluation only (`tfdist.evaluate`)."""
         self.model = model
         self.backend = backend
         self.optimizer = model.optimizer
@@ -327,9 +328,10 @@ class StepFunctions:
         keras_hooks.check_internals(model, asynchronous=backend.asynchronous)
         # The parts a global batch is split into: each computes the one-device loss of its examples.
         self.parts = backend.num_replicas * grad_accum_steps
-        self.custom_train = custom_steps.overrides(model, "train_step")
+        self.custom_train = custom_steps.overrides(model, "train_step") and training
         self.custom_test = custom_steps.overrides(model, "test_step")
-        self.loss_kind = "mean" if self.custom_train else loss_kind(model, self.parts)
+        # Evaluation only: no gradient is split, so any loss is exact.
+        self.loss_kind = "mean" if self.custom_train or not training else loss_kind(model, self.parts)
         self.gradients = custom_steps.GlobalGradients(custom_steps.optimizers_of(model), backend, error=UserError)
         self.layout = self._custom_layout("train_step", train_example) if self.custom_train else MetricLayout(model)
         self.eval_layout = self._custom_layout("test_step", eval_example) if self.custom_test and \

@@ -1,0 +1,296 @@
+"""tfdist.training.evaluating: `tfdist.evaluate` and `tfdist.predict` equal Keras' `Model.evaluate` / `Model.predict`.
+
+On one device and on 2 in-process CPU replicas (dynamic and padded static-shape
+batches), and in real jobs: 2 MultiWorkerMirrored workers, a parameter-server
+job (evaluated and predicted inline on the chief) and 2 Horovod ranks (TF 2.18
+lane). 203 examples with batch 32: the last batch needs padding on every topology.
+"""
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.conftest import REPO, subprocess_env
+from tfdist.distribute import horovod_support
+from tfdist.training import inputs
+
+MIRRORED = {"all_reduce": "reduce_to_one"}  # See tests/test_fitting.py.
+STRATEGIES = {"default": ("default", {}), "mirrored2": ("mirrored", {"num_cpu_replicas": 2, **MIRRORED})}
+PROGRAM = os.path.join(REPO, "tests", "programs", "evaluate_predict.py")
+
+
+def _program():
+    spec = importlib.util.spec_from_file_location("evaluate_predict", PROGRAM)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+program = _program()  # The job's model and data, shared with the in-process tests.
+
+
+def strategy_for(name):
+    kind, options = STRATEGIES[name]
+    return tfdist.make_strategy(kind, precision="float32", **options)
+
+
+def under(strategy, build=program.build):
+    with strategy.scope():
+        return build()
+
+
+def keras_twin(model, build=program.build):
+    """The same model and weights, built outside any strategy: Keras' own reference."""
+    twin = build()
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+@pytest.fixture(params=[False, True], ids=["dynamic", "static-shapes"])
+def static_shapes(request, monkeypatch):
+    """Forces the padded, static-shape eval batches (TPUs) where asked."""
+    monkeypatch.setattr(inputs, "eval_arrays_fn", functools.partial(inputs.eval_arrays_fn,
+                                                                     static_shapes=request.param))
+    return request.param
+
+
+def metric_state(model):
+    return [np.asarray(v) for m in model.metrics for v in m.variables]
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_evaluate_equals_keras_with_a_padded_last_batch(name, static_shapes):
+    model = under(strategy_for(name))
+    x, y, weight = program.data()
+    before = metric_state(model)
+    listed = tfdist.evaluate(model, x, y, sample_weight=weight, verbose=0, steps_per_execution=2)
+    logs = tfdist.evaluate(model, x, y, sample_weight=weight, verbose=0, return_dict=True)
+    twin = keras_twin(model)
+    expected = twin.evaluate(x, y, sample_weight=weight, verbose=0, return_dict=True)
+    assert sorted(logs) == sorted(expected) == ["a_accuracy", "a_loss", "b_loss", "b_mae", "loss"]
+    np.testing.assert_allclose([logs[k] for k in sorted(logs)], [expected[k] for k in sorted(expected)], atol=1e-5)
+    np.testing.assert_allclose(listed, twin.evaluate(x, y, sample_weight=weight, verbose=0), atol=1e-5)
+    # tfdist leaves the model's metric variables as they were (Keras' would hold the evaluation's state).
+    for a, b in zip(before, metric_state(model)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_evaluate_of_a_loss_only_model_returns_the_loss_as_a_float():
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    model = under(strategy_for("mirrored2"), build)
+    x, y, _ = program.data()
+    loss = tfdist.evaluate(model, x, y["b"], verbose=0)
+    assert isinstance(loss, float)
+    assert loss == pytest.approx(keras_twin(model, build).evaluate(x, y["b"], verbose=0), abs=1e-5)
+
+
+def test_a_masked_sequence_loss_equals_keras_on_two_replicas():
+    """Keras divides a masked loss by each batch's unmasked entries: each replica must evaluate Keras' batches."""
+    from tests.test_evaluation import sequence_model, sequences
+
+    x, tags, _, _, _ = sequences(203, seed=4)
+    model = under(strategy_for("mirrored2"), functools.partial(sequence_model, "dense"))
+    got = tfdist.evaluate(model, x, tags, batch_size=16, verbose=0, return_dict=True)
+    expected = keras_twin(model, functools.partial(sequence_model, "dense")).evaluate(
+        x, tags, batch_size=16, verbose=0, return_dict=True)
+    np.testing.assert_allclose([got[k] for k in sorted(got)], [expected[k] for k in sorted(expected)], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_predict_returns_every_row_once_in_order(name):
+    model = under(strategy_for(name))
+    x, _, _ = program.data()
+    got = tfdist.predict(model, x, verbose=0, steps_per_execution=2)  # 4 executions, the last one partial.
+    expected = keras_twin(model).predict(x, verbose=0)
+    assert sorted(got) == ["a", "b"]
+    for key in ("a", "b"):
+        assert got[key].shape == expected[key].shape == (203, *expected[key].shape[1:])
+        np.testing.assert_allclose(got[key], expected[key], atol=1e-5)
+
+
+def test_evaluate_and_predict_read_a_dataset_with_a_partial_last_batch():
+    model = under(strategy_for("mirrored2"))
+    x, y, weight = program.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, weight)).batch(32)  # No drop_remainder: 6 x 32 + 11.
+    twin = keras_twin(model)
+    np.testing.assert_allclose(tfdist.evaluate(model, dataset, verbose=0),
+                               twin.evaluate(x, y, sample_weight=weight, verbose=0), atol=1e-5)
+    got = tfdist.predict(model, dataset.map(lambda a, b, c: a), verbose=0)
+    np.testing.assert_allclose(got["a"], twin.predict(x, verbose=0)["a"], atol=1e-5)
+    assert len(got["a"]) == 203
+
+
+def test_steps_takes_the_first_batches_as_keras_does():
+    model = under(strategy_for("mirrored2"))
+    twin = keras_twin(model)
+    x, y, _ = program.data()
+    for batch in (32, None):  # None: Keras spreads the examples over the steps (batches of 68).
+        got = tfdist.evaluate(model, x, y, batch_size=batch, steps=3, verbose=0)
+        np.testing.assert_allclose(got, twin.evaluate(x, y, batch_size=batch, steps=3, verbose=0), atol=1e-5)
+        predicted = tfdist.predict(model, x, batch_size=batch, steps=3, verbose=0)["a"]
+        expected = twin.predict(x, batch_size=batch, steps=3, verbose=0)["a"]
+        assert len(predicted) == len(expected) == (96 if batch else 203)
+        np.testing.assert_allclose(predicted, expected, atol=1e-5)
+
+
+class Hooks(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_test_begin(self, logs=None):
+        self.calls.append(("test_begin",))
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.calls.append(("test_batch_begin", batch))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.calls.append(("test_batch_end", batch, sorted(logs)))
+
+    def on_test_end(self, logs=None):
+        self.calls.append(("test_end", round(logs["loss"], 5)))
+
+    def on_predict_begin(self, logs=None):
+        self.calls.append(("predict_begin",))
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self.calls.append(("predict_batch_begin", batch))
+
+    def on_predict_batch_end(self, batch, logs=None):
+        # Keras passes {"outputs": ...}; its CallbackList flattens a dict of outputs into the logs.
+        self.calls.append(("predict_batch_end", batch, sorted(logs), len(logs["a"])))
+
+    def on_predict_end(self, logs=None):
+        self.calls.append(("predict_end",))
+
+
+def test_callbacks_are_called_once_per_execution_as_keras_calls_them():
+    model = under(strategy_for("mirrored2"))
+    x, y, _ = program.data()
+    hooks = Hooks()
+    loss = tfdist.evaluate(model, x, y, verbose=0, callbacks=[hooks], steps_per_execution=2)[0]
+    names = ["a_accuracy", "a_loss", "b_loss", "b_mae", "loss"]
+    # 203 examples, batch 32 per replica, 2 replicas: 4 steps, 2 per execution.
+    assert hooks.calls == [("test_begin",), ("test_batch_begin", 0), ("test_batch_end", 1, names),
+                           ("test_batch_begin", 2), ("test_batch_end", 3, names), ("test_end", round(loss, 5))]
+    hooks.calls.clear()
+    tfdist.predict(model, x, verbose=0, callbacks=[hooks], steps_per_execution=2)
+    assert hooks.calls == [("predict_begin",), ("predict_batch_begin", 0), ("predict_batch_end", 1, ["a", "b"], 128),
+                           ("predict_batch_begin", 2), ("predict_batch_end", 3, ["a", "b"], 75), ("predict_end",)]
+
+
+def test_predict_input_that_does_not_match_the_model_is_refused_before_any_step():
+    model = under(strategy_for("default"))
+    fix = ("The model takes 1 input(s): x (None, 5). Pass x as one array with one row per example.")
+    x = np.zeros((10, 5), "float32")
+    cases = [
+        (np.zeros((10, 4), "float32"),
+         f"predict: an array of shape (10, 4) was given for input x, which takes (examples, 5). {fix}"),
+        ([x, x], f"predict: x holds 2 array(s), but the model takes 1. {fix}"),
+        ({"y": x}, f"predict: the keys of x (y) do not match the model's inputs. {fix}"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(tfdist.UserError) as raised:
+            tfdist.predict(model, bad, verbose=0)
+        assert str(raised.value) == message
+    assert tfdist.predict(model, {"x": x}, verbose=0)["a"].shape == (10, 3)
+
+
+def test_an_uncompiled_model_cannot_be_evaluated_but_predicts():
+    def build():
+        keras.utils.set_random_seed(5)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+
+    model = under(strategy_for("mirrored2"), build)
+    x = program.data()[0]
+    with pytest.raises(tfdist.UserError) as raised:
+        tfdist.evaluate(model, x, x[:, :2], verbose=0)
+    assert str(raised.value) == (
+        "The model is not compiled, so it has no loss or metrics to evaluate; call model.compile(loss=..., "
+        "metrics=[...]) under the strategy's scope before tfdist.evaluate (as Keras' evaluate needs).")
+    np.testing.assert_allclose(tfdist.predict(model, x, verbose=0), keras_twin(model, build).predict(x, verbose=0),
+                               atol=1e-5)
+
+
+# Real jobs -------------------------------------------------------------------------------------
+def run_job(command, timeout=300):
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=subprocess_env())
+
+
+def assert_tasks_equal_keras(out, tasks):
+    """Every task's evaluate and predict results equal Keras' on the task's weights, and each other's."""
+    results = {t: np.load(os.path.join(out, f"{t}.npz")) for t in tasks}
+    first = results[tasks[0]]
+    model = program.build()
+    model.set_weights([first[f"w{i}"] for i in range(len(model.get_weights()))])
+    x, y, weight = program.data()
+    expected = model.evaluate(x, y, sample_weight=weight, verbose=0, return_dict=True)
+    predicted = model.predict(x, verbose=0)
+    for task, result in results.items():
+        for key in first.files:
+            np.testing.assert_array_equal(result[key], first[key], err_msg=f"{task} differs from {tasks[0]}: {key}")
+        assert list(result["names"]) == sorted(expected)
+        np.testing.assert_allclose(result["values"], [expected[k] for k in sorted(expected)], atol=1e-5)
+        np.testing.assert_allclose(result["listed"], model.evaluate(x, y, sample_weight=weight, verbose=0),
+                                   atol=1e-5)
+        for key in ("a", "b"):
+            assert result[key].shape[0] == 203
+            np.testing.assert_allclose(result[key], predicted[key], atol=1e-5)
+
+
+def test_two_multi_worker_mirrored_workers_evaluate_and_predict_as_keras(tmp_path):
+    result = run_job([sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2", "--", sys.executable, PROGRAM,
+                      str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_tasks_equal_keras(str(tmp_path), ["worker0", "worker1"])
+
+
+def test_a_parameter_server_job_evaluates_and_predicts_on_the_chief(tmp_path):
+    result = run_job([sys.executable, "-m", "tfdist.cli.launch", "--num_workers=1", "--num_ps=1", "--",
+                      sys.executable, PROGRAM, str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["chief0.npz"]
+    assert_tasks_equal_keras(str(tmp_path), ["chief0"])
+
+
+@pytest.mark.skipif(not horovod_support.is_horovod_available(),
+                    reason="horovod runs in the TF 2.18 lane (tests/test_horovod.py)")
+def test_two_horovod_ranks_evaluate_and_predict_as_keras(tmp_path):
+    env = subprocess_env()
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
+                             "localhost:2", "--gloo", sys.executable, PROGRAM, str(tmp_path)], capture_output=True,
+                            text=True, timeout=300, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_tasks_equal_keras(str(tmp_path), ["rank0", "rank1"])
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored2"])
+def test_a_custom_test_step_evaluates_as_keras(name):
+    from tests import custom_models
+
+    x, y = custom_models.regression(203)
+    keras.utils.set_random_seed(0)
+    reference = custom_models.custom_fit_model()
+    strategy = strategy_for(name)
+    with strategy.scope():
+        model = custom_models.custom_fit_model()
+    model.set_weights(reference.get_weights())
+    expected = reference.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    got = tfdist.evaluate(model, x, y, batch_size=32, verbose=0, return_dict=True, strategy=strategy)
+    assert sorted(got) == sorted(expected) == ["loss", "mae"]
+    for key in expected:  # Its tracker averages batch means: each replica evaluates whole Keras batches.
+        assert got[key] == pytest.approx(expected[key], abs=1e-5), (key, got, expected)
