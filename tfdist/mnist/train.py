@@ -99,7 +99,8 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         x, y = digits.train_stream.dataset_fn(plan.global_batch, seed=seed), None
         steps_per_epoch: Optional[int] = plan.steps_per_epoch
     else:
-        x, y, steps_per_epoch = digits.train_images, digits.train_labels, None
+        # tfdist-train's plan trains whole global batches (batching.BatchPlan), on every backend alike.
+        x, y, steps_per_epoch = digits.train_images, digits.train_labels, plan.steps_per_epoch
     fit(model, x, y, batch_size=plan.global_batch, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
         validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,
         steps_per_execution=plan.steps_per_execution, grad_accum_steps=plan.grad_accum_steps, seed=config.seed,

@@ -194,7 +194,8 @@ class GlobalGradients:
                 return None
             if isinstance(g, tf.IndexedSlices):
                 return tf.IndexedSlices(g.values * tf.cast(share, g.values.dtype), g.indices, g.dense_shape)
-            return g * tf.cast(share, g.dtype)
+            # A replica with no example of a short last batch (its mean loss is 0/0) adds nothing.
+            return tf.where(share > 0, g * tf.cast(share, g.dtype), tf.zeros_like(g))
 
         reduced = self.backend.finish_gradients([weigh(g) for g in grads])
         values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in reduced if g is not None]

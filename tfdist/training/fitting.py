@@ -95,7 +95,9 @@ class _Source:
 
     def __init__(self, kind: str, *, batch_size: Optional[int], num_examples: int, steps_per_epoch: Optional[int],
                  arrays: Optional[inputs.Arrays] = None, dataset: Optional[tf.data.Dataset] = None,
-                 function: Any = None, spec: Any = None, model: Optional[keras.Model] = None):
+                 function: Any = None, spec: Any = None, model: Optional[keras.Model] = None,
+                 partial: bool = False):
+        self.partial = partial  # A dataset whose last global batch of a pass is short.
         self.kind, self.batch_size, self.num_examples = kind, batch_size, num_examples
         self.steps_per_epoch, self.arrays, self.dataset, self.function = steps_per_epoch, arrays, dataset, function
         self.spec, self.model = spec, model
@@ -123,10 +125,11 @@ class _Source:
                 return inputs.random_order_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch)
             return inputs.train_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch,
                                           steps_per_epoch=plan.steps_per_epoch, seed=plan.seed, start_step=first,
-                                          total_steps=plan.total_steps)
+                                          total_steps=plan.total_steps, partial_last=plan.partial_last)
         if self.kind == "dataset":
             return inputs.global_batches_fn(self.dataset, per_replica_batch=plan.per_replica_batch,
-                                            start_step=first if backend.sharded_input else 0)
+                                            start_step=first if backend.sharded_input else 0,
+                                            partial_last=plan.partial_last)
         return inputs.resumed_fn(self.function, start_step=first, sharded=backend.sharded_input)
 
 
@@ -152,6 +155,32 @@ def _element_spec(model: keras.Model, dataset: tf.data.Dataset, what: str) -> tu
     return spec
 
 
+def _first_batch_size(dataset: tf.data.Dataset) -> int:
+    for element in dataset.take(1):
+        return int(tf.shape(tf.nest.flatten(element)[0])[0])
+    raise _fail("The training dataset is empty.")
+
+
+def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
+    """The examples in one pass over a dataset of batches (Keras trains each pass as an epoch).
+
+    With a known number of batches, from the batch size and the last batch (one
+    element read); otherwise, and for batches of varying size, by reading the
+    batch sizes of one pass.
+    """
+    cardinality = int(dataset.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise _fail("The training dataset is infinite (it repeats); pass steps_per_epoch= (steps in an epoch), "
+                    "as Keras' fit asks.")
+    if cardinality > 0 and static is not None:
+        return cardinality * static
+    if cardinality > 0:
+        first, last = _first_batch_size(dataset), _first_batch_size(dataset.skip(cardinality - 1))
+        return (cardinality - 1) * first + last
+    sizes = dataset.map(lambda *e: tf.shape(tf.nest.flatten(e)[0], out_type=tf.int64)[0])
+    return int(sizes.reduce(tf.constant(0, tf.int64), lambda total, n: total + n))
+
+
 def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: Any, batch_size: Any,
             steps_per_epoch: Optional[int]) -> _Source:
     if isinstance(x, tf.data.Dataset):
@@ -163,18 +192,14 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
         spec = _element_spec(model, x, "The training dataset")
         static = tf.nest.flatten(spec[0])[0].shape[0]
         if batch_size is None:
-            batch_size = static
-            if batch_size is None:
-                raise _fail("The training dataset's batch size is not fixed (batch it with drop_remainder=True) "
-                            "or pass batch_size= (the global batch, examples per step over all replicas).")
-        if steps_per_epoch is None:
-            cardinality = int(x.cardinality())
-            if cardinality < 0 or static is None:
-                raise _fail("The training dataset is infinite, of unknown length, or its batches have no fixed "
-                            "size (batch with drop_remainder=True); pass steps_per_epoch=.")
-            steps_per_epoch = cardinality * static // int(batch_size)  # Whole global batches an epoch holds.
-        return _Source("dataset", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
-                       steps_per_epoch=steps_per_epoch, dataset=x, spec=spec, model=model)
+            batch_size = static if static is not None else _first_batch_size(x)
+        if steps_per_epoch is not None:  # As many whole global batches, the dataset repeated as needed.
+            return _Source("dataset", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
+                           steps_per_epoch=steps_per_epoch, dataset=x, spec=spec, model=model)
+        examples = _dataset_examples(x, static)
+        steps_per_epoch = -(-examples // int(batch_size))  # Keras' batches of a pass, the last one short.
+        return _Source("dataset", batch_size=batch_size, num_examples=examples, steps_per_epoch=steps_per_epoch,
+                       dataset=x, spec=spec, model=model, partial=examples % int(batch_size) != 0)
     if callable(x):
         if batch_size is None or steps_per_epoch is None:
             raise _fail("With a dataset function, pass batch_size= (the global batch) and steps_per_epoch=.")
@@ -272,7 +297,8 @@ def _build(model: keras.Model, backend: Backend, example: tuple) -> None:
 # Plan -----------------------------------------------------------------------------
 def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, grad_accum_steps: int,
           steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
-          max_steps: Optional[int], extra: dict, array_input: bool = False) -> LoopPlan:
+          max_steps: Optional[int], extra: dict, array_input: bool = False,
+          partial_dataset: bool = False) -> LoopPlan:
     replicas = backend.num_replicas
     if batch_size < replicas:
         raise _fail(f"batch_size={batch_size} is smaller than the number of replicas ({replicas}); every replica "
@@ -284,16 +310,19 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                     f"{grad_accum_steps} accumulation step(s); use a multiple of {unit}, e.g. {lower or upper} "
                     f"or {upper}.")
     whole = num_train // batch_size
+    partial_last = partial_dataset
     if steps_per_epoch is None:
-        steps_per_epoch = whole
+        # As Keras: every example once an epoch, the last batch holding what is left. Parameter-server
+        # workers read without epochs (each in its own random order), in whole batches.
+        partial_last = bool(num_train % batch_size) and backend.sharded_input
+        steps_per_epoch = -(-num_train // batch_size) if partial_last else whole
         if steps_per_epoch < 1:
             raise _fail(f"batch_size={batch_size} is larger than the training set ({num_train} examples).")
-        if num_train % batch_size and backend.sharded_input:
-            logging.warning(
-                "%d of the %d training examples are not trained in each epoch: tfdist trains whole global "
-                "batches of %d (%d steps an epoch), where Keras' fit would also train a partial last batch. "
-                "Use a batch_size that divides the training set to train every example.",
-                num_train % batch_size, num_train, batch_size, steps_per_epoch)
+    if partial_last and backend.device_kind == "tpu":
+        raise _fail(f"The training set ({num_train} examples) does not divide into global batches of "
+                    f"{batch_size}, and a TPU compiles one shape: its last, partial batch cannot be trained as "
+                    "Keras trains it. Use a batch_size that divides the training set, pass steps_per_epoch= "
+                    "(whole batches), or batch a dataset with drop_remainder=True.")
     for name, value, least in (("steps_per_epoch", steps_per_epoch, 1), ("max_steps", max_steps, 1),
                                ("steps_per_execution", steps_per_execution, 1)):
         if value is not None and value < least:
@@ -310,7 +339,7 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
         global_batch=batch_size, per_replica_batch=per_replica, micro_batch=per_replica // grad_accum_steps,
         grad_accum_steps=grad_accum_steps, steps_per_epoch=steps_per_epoch, epochs=epochs, total_steps=total,
         steps_per_execution=steps_per_execution or (100 if backend.device_kind == "tpu" else 10), seed=seed,
-        extra=tuple(sorted(extra.items())),
+        extra=tuple(sorted(extra.items())), partial_last=partial_last,
     )
 
 
@@ -419,7 +448,7 @@ def fit(
                  grad_accum_steps=grad_accum_steps, steps_per_execution=steps_per_execution,
                  steps_per_epoch=source.steps_per_epoch, seed=seed, max_steps=max_steps,
                  extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {})},
-                 array_input=source.kind == "arrays")
+                 array_input=source.kind == "arrays", partial_dataset=source.partial)
     source.check_batches(plan)
     _build(model, backend, source.example(plan.micro_batch))
     steps_lib.check_metrics(model, _fail)  # Compiled metrics have variables only once built.
@@ -467,7 +496,7 @@ def fit(
         precision = keras.mixed_precision.dtype_policy().name
         step_functions = steps_lib.StepFunctions(
             model, backend, grad_accum_steps=grad_accum_steps, step_counter=step_counter,
-            jit_compile=_resolve_jit(jit_compile, backend, model),
+            jit_compile=_resolve_jit(jit_compile, backend, model), partial_last=plan.partial_last,
             train_example=custom_steps.keras_data(inputs.drop_none(source.example(plan.micro_batch))),
             eval_example=custom_steps.keras_data(inputs.drop_none(validation.structure)) if validation else None)
         # After the step functions: a custom step's optimizers are built when its step is first traced.

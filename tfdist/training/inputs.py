@@ -82,6 +82,12 @@ def drop_none(element: tuple) -> tuple:
     return (x, y, sample_weight)
 
 
+def split_range(start: Any, n: Any, parts: int, index: Any) -> tf.Tensor:
+    """Positions of part `index` of `n` examples from `start` split as evenly as can be (compiled)."""
+    start, n, index = (tf.cast(v, tf.int64) for v in (start, n, index))
+    return tf.range(start + index * n // parts, start + (index + 1) * n // parts)
+
+
 def train_arrays_fn(
     arrays: Arrays,
     *,
@@ -90,17 +96,22 @@ def train_arrays_fn(
     seed: int,
     start_step: int = 0,
     total_steps: Optional[int] = None,
+    partial_last: bool = False,
 ) -> DatasetFn:
     """Per-replica training batches in the topology-independent order (module docstring).
 
     `start_step` skips the steps an interrupted run already trained, so a
-    resumed run sees exactly the data the uninterrupted run would have.
+    resumed run sees exactly the data the uninterrupted run would have. With
+    `partial_last` the last step of each epoch takes the examples left over
+    (as Keras' last batch), split evenly over the replicas, and every element
+    ends with the step's global example count (`with_global_count`).
     """
     num = arrays.num_examples
 
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         here = _replicas_here(ctx)
-        global_batch = per_replica_batch * ctx.num_replicas_in_sync
+        replicas = ctx.num_replicas_in_sync
+        global_batch = per_replica_batch * replicas
         first_replica = ctx.input_pipeline_id * here
         tensors = _constants(arrays)
         logging.info("Input pipeline %d of %d: replicas %d-%d of %d, per-replica batch %d, global batch %d, "
@@ -110,12 +121,23 @@ def train_arrays_fn(
 
         def step_batches(step: tf.Tensor) -> tf.data.Dataset:
             epoch = step // steps_per_epoch
-            offset = (step % steps_per_epoch) * global_batch + first_replica * per_replica_batch
-            positions = offset + tf.range(here * per_replica_batch, dtype=tf.int64)
-            indices = tf.random.experimental.index_shuffle(
-                positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
-            batch = _gather(tensors, tf.reshape(indices, [here, per_replica_batch]))
-            return tf.data.Dataset.from_tensor_slices(drop_none(batch))
+            start = (step % steps_per_epoch) * global_batch
+            if not partial_last:
+                offset = start + first_replica * per_replica_batch
+                positions = offset + tf.range(here * per_replica_batch, dtype=tf.int64)
+                indices = tf.random.experimental.index_shuffle(
+                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+                batch = _gather(tensors, tf.reshape(indices, [here, per_replica_batch]))
+                return tf.data.Dataset.from_tensor_slices(drop_none(batch))
+            n = tf.minimum(tf.constant(global_batch, tf.int64), num - start)
+
+            def replica_batch(local: tf.Tensor) -> tuple:
+                positions = split_range(start, n, replicas, first_replica + local)
+                indices = tf.random.experimental.index_shuffle(
+                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+                return drop_none(_gather(tensors, indices)) + (tf.cast(n, tf.float32),)
+
+            return tf.data.Dataset.range(here).map(replica_batch)
 
         end = total_steps if total_steps is not None else np.iinfo(np.int64).max
         ds = tf.data.Dataset.range(start_step, end).flat_map(step_batches)
@@ -199,19 +221,24 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
     return dataset_fn
 
 
-def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start_step: int = 0) -> DatasetFn:
+def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start_step: int = 0,
+                      partial_last: bool = False) -> DatasetFn:
     """Per-replica batches cut from a dataset of global batches, the same way on every topology.
 
     Every pipeline reads the whole dataset (repeated), re-cuts it into global
     batches of ``per_replica_batch x replicas`` and keeps its replicas' slices
     of each, in replica order, so the examples of a step do not depend on the
     topology (for a deterministic dataset). `start_step` global batches are skipped.
+    With `partial_last` each pass over the dataset is one epoch whose last batch
+    holds what is left (as Keras' fit trains it), split evenly over the replicas,
+    and every element ends with the step's global example count.
     """
 
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         here = _replicas_here(ctx)
         first = ctx.input_pipeline_id * here
-        global_batch = per_replica_batch * ctx.num_replicas_in_sync
+        replicas = ctx.num_replicas_in_sync
+        global_batch = per_replica_batch * replicas
 
         def mine(*element: Any) -> tf.data.Dataset:
             def cut(t: tf.Tensor) -> tf.Tensor:
@@ -220,8 +247,20 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
 
             return tf.data.Dataset.from_tensor_slices(tuple(map_present(cut, element)))
 
-        ds = dataset.repeat().unbatch().batch(global_batch, drop_remainder=True).skip(start_step)
-        return ds.flat_map(mine).prefetch(tf.data.AUTOTUNE).with_options(options())
+        def mine_split(*element: Any) -> tf.data.Dataset:
+            n = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+
+            def replica_batch(local: tf.Tensor) -> tuple:
+                rows = split_range(0, n, replicas, first + local)
+                return tuple(map_present(lambda t: tf.gather(t, rows), element)) + (tf.cast(n, tf.float32),)
+
+            return tf.data.Dataset.range(here).map(replica_batch)
+
+        if partial_last:
+            ds = dataset.unbatch().batch(global_batch).repeat().skip(start_step).flat_map(mine_split)
+        else:
+            ds = dataset.repeat().unbatch().batch(global_batch, drop_remainder=True).skip(start_step).flat_map(mine)
+        return ds.prefetch(tf.data.AUTOTUNE).with_options(options())
 
     return dataset_fn
 

@@ -107,6 +107,9 @@ class LoopPlan:
     steps_per_execution: int
     seed: int
     extra: tuple = ()  # (name, value) pairs the caller adds: dataset, learning rate, precision, ...
+    # Whether the last step of an epoch may hold fewer examples (Keras' partial last batch): each
+    # replica's batch then carries the step's global example count.
+    partial_last: bool = False
 
     def resume_fields(self) -> dict[str, Any]:
         fields = {

@@ -50,7 +50,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training import custom_steps, keras_hooks
+from tfdist.training import custom_steps, inputs as inputs_lib, keras_hooks
 
 NUM_SCALARS = 3  # examples, non-finite losses, stop requests.
 
@@ -190,7 +190,14 @@ def _model_losses(model: keras.Model, added: list) -> Iterator[None]:
         model._losses_override = before
 
 
-def _write_state(scope: _RecordingScope, before: dict, atomic: bool) -> None:
+def _where_present(empty: tf.Tensor, grad: Any) -> Any:
+    """A gradient, or zeros where the part held no example (its mean loss is 0/0)."""
+    if grad is None or isinstance(grad, tf.IndexedSlices):  # No rows gathered: nothing to zero.
+        return grad
+    return tf.where(empty, tf.zeros_like(grad), grad)
+
+
+def _write_state(scope: _RecordingScope, before: dict, atomic: bool, keep: Optional[tf.Tensor] = None) -> None:
     """Writes the forward pass's non-trainable state updates back to the variables.
 
     Synchronous replicas assign them, as Keras' own step would. Under asynchronous
@@ -206,6 +213,8 @@ def _write_state(scope: _RecordingScope, before: dict, atomic: bool) -> None:
         target = tf_variable(variable)
         new = tf.cast(scope.get_current_value(variable), target.dtype)
         old = before.get(key)
+        if keep is not None and old is not None:  # An empty part: its statistics are 0/0, keep the state.
+            new = tf.where(keep, tf.cast(old, target.dtype), new)
         if atomic and old is not None and (target.dtype.is_floating or target.dtype in (tf.int32, tf.int64)):
             target.assign_add(new - old)
         else:  # Synchronous, or state the forward pass did not declare: written as Keras would.
@@ -305,13 +314,15 @@ class StepFunctions:
     """The compiled training and evaluation executions for one model under one backend."""
 
     def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
-                 jit_compile: bool = False, train_example: Any = None, eval_example: Any = None):
+                 jit_compile: bool = False, train_example: Any = None, eval_example: Any = None,
+                 partial_last: bool = False):
         """``train_example``/``eval_example``: a batch's element structure (`custom_steps.keras_data`),
         for models with a custom ``train_step``/``test_step`` (traced once, `custom_steps.probe`)."""
         self.model = model
         self.backend = backend
         self.optimizer = model.optimizer
         self.accum = grad_accum_steps
+        self.partial_last = partial_last  # Batches end with the step's global count (`inputs`).
         self.step_counter = step_counter
         keras_hooks.check_internals(model, asynchronous=backend.asynchronous)
         # The parts a global batch is split into: each computes the one-device loss of its examples.
@@ -321,7 +332,8 @@ class StepFunctions:
         self.loss_kind = "mean" if self.custom_train else loss_kind(model, self.parts)
         self.gradients = custom_steps.GlobalGradients(custom_steps.optimizers_of(model), backend, error=UserError)
         self.layout = self._custom_layout("train_step", train_example) if self.custom_train else MetricLayout(model)
-        self.eval_layout = self._custom_layout("test_step", eval_example) if self.custom_test else \
+        self.eval_layout = self._custom_layout("test_step", eval_example) if self.custom_test and \
+            eval_example is not None else \
             (MetricLayout(model) if self.custom_train else self.layout)
         self._updated: dict[int, Any] = {}  # State the traced forward passes write (ids), for `synced`.
         self.jit_compile = jit_compile
@@ -395,15 +407,16 @@ class StepFunctions:
             deltas.append(zero if value is None else value)
         return loss, unscaled, deltas
 
-    def _forward_backward(self, x: Any, y: Any, sample_weight: Any):
+    def _forward_backward(self, x: Any, y: Any, sample_weight: Any, total: Optional[tf.Tensor] = None):
+        """``total``: the step's global example count where parts may differ in size (partial batches)."""
         model = self.model
         variables = model.trainable_variables
         # The forward pass records what state it updates (written back below).
         mapping = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables]
         before = {id(v): value for v, value in mapping}
         size = _batch_size(x)
-        # This part's fraction of the global batch (all parts hold the same number of examples).
-        share = tf.cast(size, tf.float32) / tf.cast(size * self.parts, tf.float32)
+        # This part's fraction of the global batch (without `total` all parts hold as many examples).
+        share = tf.cast(size, tf.float32) / (tf.cast(size * self.parts, tf.float32) if total is None else total)
         with tf.GradientTape() as tape:
             forward = _RecordingScope(mapping)
             with forward:
@@ -413,7 +426,11 @@ class StepFunctions:
                                                         share=share)
             scaled = self.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, variables)
-        _write_state(forward, before, atomic=self.backend.asynchronous)
+        empty = None
+        if total is not None:  # A part of a short last batch may hold no example: it adds nothing.
+            empty = tf.equal(size, 0)
+            grads = [_where_present(empty, g) for g in grads]
+        _write_state(forward, before, atomic=self.backend.asynchronous, keep=empty)
         self._updated.update(forward.updated)
         finite = tf.math.is_finite(unscaled)
         deltas = [tf.where(finite, d, tf.zeros_like(d)) for d in deltas]
@@ -423,6 +440,10 @@ class StepFunctions:
         if self.accum == 1:
             return [data]
         k = self.accum
+        if self.partial_last:  # Parts of a short batch differ in size: split as evenly as can be.
+            n = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int64)[0]
+            return [inputs_lib.map_present(lambda t, i=i: tf.gather(t, inputs_lib.split_range(0, n, k, i)), data)
+                    for i in range(k)]
 
         def split(t: tf.Tensor) -> tf.Tensor:
             return tf.reshape(t, tf.concat([[k, -1], tf.shape(t)[1:]], 0))
@@ -433,9 +454,13 @@ class StepFunctions:
     def _replica_custom_train_step(self, element: Any, stop: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
         """The user's ``train_step`` on this replica's batch, with global-batch gradients (`custom_steps`)."""
         layout = self.layout
+        if self.partial_last:
+            *element, total = element  # The step's global example count (`inputs.train_arrays_fn`).
+            element = tuple(element)
         data = custom_steps.keras_data(element)
         examples = custom_steps.batch_size(data)
-        total = examples * self.backend.num_replicas  # Every replica holds the same number of examples.
+        if not self.partial_last:
+            total = examples * self.backend.num_replicas  # Every replica holds the same number of examples.
         state = [tf_variable(v) for v in layout.variables]
         before = [v.read_value() for v in state]
         with self.gradients.replica_step(examples, total), keras_hooks.one_replica_losses():
@@ -451,9 +476,13 @@ class StepFunctions:
         if self.custom_train:
             return self._replica_custom_train_step(data, stop, totals)
         grads, deltas, examples = None, None, 0
+        total = None
+        if self.partial_last:
+            *data, total = data  # The step's global example count (`inputs.train_arrays_fn`).
+            data = tuple(data)
         for micro in self._micro_batches(data):
             x, y, sample_weight = _unpack(micro)
-            g, d, _, b = self._forward_backward(x, y, sample_weight)
+            g, d, _, b = self._forward_backward(x, y, sample_weight, total)
             grads = g if grads is None else [_add_grads(a, c) for a, c in zip(grads, g)]
             deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
             examples += b
