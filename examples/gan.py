@@ -124,9 +124,9 @@ def main() -> None:
     parser.add_argument("--num_cpu_replicas", type=int)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
-    keras.utils.set_random_seed(0)
     options = {"num_cpu_replicas": args.num_cpu_replicas} if args.num_cpu_replicas else {}
-    strategy = tfdist.make_strategy(args.strategy, **options)  # changed: a strategy, and its scope
+    strategy = tfdist.make_strategy(args.strategy, **options)  # changed: a strategy (before TF starts), its scope
+    keras.utils.set_random_seed(0)
     with strategy.scope():
         gan = build_gan()
     history = tfdist.fit(gan, make_dataset(load_images()), epochs=args.epochs, verbose=0)  # changed: tfdist.fit

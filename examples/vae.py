@@ -115,10 +115,10 @@ def main() -> None:
     parser.add_argument("--num_cpu_replicas", type=int)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
+    options = {"num_cpu_replicas": args.num_cpu_replicas} if args.num_cpu_replicas else {}
+    strategy = tfdist.make_strategy(args.strategy, **options)  # changed: a strategy (before TF starts), its scope
     keras.utils.set_random_seed(0)
     mnist_digits = load_digits()
-    options = {"num_cpu_replicas": args.num_cpu_replicas} if args.num_cpu_replicas else {}
-    strategy = tfdist.make_strategy(args.strategy, **options)  # changed: a strategy, and its scope
     with strategy.scope():
         vae = build_vae()
     history = tfdist.fit(vae, mnist_digits, epochs=args.epochs, batch_size=BATCH_SIZE, verbose=0)  # changed
