@@ -327,7 +327,7 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                                ("steps_per_execution", steps_per_execution, 1)):
         if value is not None and value < least:
             raise _fail(f"{name}={value} must be {least} or more.")
-    if array_input and steps_per_epoch > whole:
+    if array_input and not partial_last and steps_per_epoch > whole:  # A partial last batch: every example.
         raise _fail(f"steps_per_epoch={steps_per_epoch} needs {steps_per_epoch * batch_size} examples an epoch, but "
                     f"the arrays hold {num_train} ({whole} whole batches of {batch_size}); use steps_per_epoch="
                     f"{whole} or less.")
