@@ -25,7 +25,7 @@ from tfdist.mnist import data
 
 LATENT_DIM = 32
 BATCH_SIZE = 64
-NUM_IMAGES = 1024
+NUM_IMAGES = 600
 
 
 class GAN(keras.Model):

@@ -41,7 +41,8 @@ def run_example(name, how):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=subprocess_env())
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    found = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in re.findall(r"^summary (.*)$", output, re.M)]
+    lines = re.findall(r"^(?:\[\w+:\d+\] )?summary (.*)$", output, re.M)  # tfdist-launch prefixes "[worker:0] ".
+    found = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines]
     assert len(found) == (2 if launch else 1), output[-4000:]
     assert all(f == found[0] for f in found), found  # Workers end on the same logs and bit-identical weights.
     assert found[0]["epochs_run"] == str(EPOCHS[name]), found
