@@ -386,12 +386,52 @@ def test_execution_k_plus_1_is_dispatched_before_k_is_fetched(monkeypatch):
     assert len(history.history["loss"]) == 2
 
 
-def test_examples_left_out_of_whole_batches_are_announced(caplog):
-    strategy = tfdist.make_strategy("default", precision="float32")
+def partial_model():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("examples", [250, 225], ids=["last-26", "last-1-one-replica-empty"])
+@pytest.mark.parametrize("replicas,accum", [(1, 1), (2, 1), (2, 2)])
+def test_a_dataset_batched_without_drop_remainder_trains_its_partial_last_batch_as_keras(examples, replicas, accum):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(examples, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1))).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)  # As keras.io batches: the last one short.
+    keras.utils.set_random_seed(1)
+    reference = partial_model()
+    initial = reference.get_weights()
+    expected = reference.fit(dataset, epochs=2, verbose=0).history
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, **MIRRORED) if replicas == 2 else \
+        tfdist.make_strategy("default")
     with strategy.scope():
-        model = dense_model()
-    with caplog.at_level("WARNING", logger="absl"):
-        tfdist.fit(model, X[:200], Y[:200], batch_size=64, epochs=1, verbose=0)
-    assert "8 of the 200 training examples are not trained in each epoch: tfdist trains whole global batches " \
-           "of 64 (3 steps an epoch)" in caplog.text
-    assert int(model.optimizer.iterations.numpy()) == 3
+        model = partial_model()
+    model.set_weights(initial)
+    history = tfdist.fit(model, dataset, epochs=2, strategy=strategy, verbose=0, grad_accum_steps=accum,
+                         steps_per_execution=3)
+    assert int(model.optimizer.iterations.numpy()) == 2 * -(-examples // 32)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for key in expected:
+        np.testing.assert_allclose(history.history[key], expected[key], atol=1e-5, err_msg=key)
+
+
+def test_arrays_train_every_example_each_epoch_with_a_partial_last_batch():
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, **MIRRORED)
+    seen = []
+
+    class Count(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(int(self.model.optimizer.iterations.numpy()))
+
+    with strategy.scope():
+        model = partial_model()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 4)).astype("float32")
+    history = tfdist.fit(model, x, x[:, :1], batch_size=64, epochs=2, verbose=0, strategy=strategy,
+                         callbacks=[Count()])
+    assert seen == [4, 8]  # 64 + 64 + 64 + 8 examples an epoch, as Keras' fit batches 200.
+    assert len(history.history["loss"]) == 2

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.training import custom_steps, inputs, steps as steps_lib
+from tfdist.training import custom_steps, fit_args, inputs, steps as steps_lib
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
@@ -59,7 +59,7 @@ def _input_names(model: keras.Model) -> Optional[list[str]]:
 def arrays_from(model: keras.Model, x: Any, y: Any, sample_weight: Any, what: str) -> inputs.Arrays:
     """Checks and converts array inputs; `what` names them in errors ('x' or 'validation_data')."""
     x, y, sample_weight = _to_numpy(x), _to_numpy(y), _to_numpy(sample_weight)
-    if y is None and not (what == "x/y" and custom_steps.overrides(model, "train_step")):  # Its step takes x alone.
+    if y is None:
         raise _fail(f"{what} has inputs but no targets; pass y (or validation_data=(x_val, y_val)).")
     if isinstance(x, dict):
         names = _input_names(model)
@@ -101,6 +101,7 @@ class _Source:
         self.kind, self.batch_size, self.num_examples = kind, batch_size, num_examples
         self.steps_per_epoch, self.arrays, self.dataset, self.function = steps_per_epoch, arrays, dataset, function
         self.spec, self.model = spec, model
+        self.shuffle = True  # Arrays: a seeded permutation each epoch (False: input order; fit_args).
 
     def example(self, size: int) -> tuple:
         if self.arrays is not None:
@@ -125,7 +126,8 @@ class _Source:
                 return inputs.random_order_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch)
             return inputs.train_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch,
                                           steps_per_epoch=plan.steps_per_epoch, seed=plan.seed, start_step=first,
-                                          total_steps=plan.total_steps, partial_last=plan.partial_last)
+                                          total_steps=plan.total_steps, partial_last=plan.partial_last,
+                                          shuffle=self.shuffle)
         if self.kind == "dataset":
             return inputs.global_batches_fn(self.dataset, per_replica_batch=plan.per_replica_batch,
                                             start_step=first if backend.sharded_input else 0,
@@ -182,7 +184,8 @@ def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
 
 
 def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: Any, batch_size: Any,
-            steps_per_epoch: Optional[int]) -> _Source:
+            steps_per_epoch: Optional[int], examples: Optional[int] = None) -> _Source:
+    """``examples``: the examples of one pass over `x`, where the caller knows them (a PyDataset)."""
     if isinstance(x, tf.data.Dataset):
         if y is not None or sample_weight is not None:
             raise _fail("x is a tf.data.Dataset, so y and sample_weight must come from it; drop y=/sample_weight=.")
@@ -196,7 +199,7 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
         if steps_per_epoch is not None:  # As many whole global batches, the dataset repeated as needed.
             return _Source("dataset", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
                            steps_per_epoch=steps_per_epoch, dataset=x, spec=spec, model=model)
-        examples = _dataset_examples(x, static)
+        examples = examples if examples is not None else _dataset_examples(x, static)
         steps_per_epoch = -(-examples // int(batch_size))  # Keras' batches of a pass, the last one short.
         return _Source("dataset", batch_size=batch_size, num_examples=examples, steps_per_epoch=steps_per_epoch,
                        dataset=x, spec=spec, model=model, partial=examples % int(batch_size) != 0)
@@ -327,7 +330,7 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                                ("steps_per_execution", steps_per_execution, 1)):
         if value is not None and value < least:
             raise _fail(f"{name}={value} must be {least} or more.")
-    if array_input and not partial_last and steps_per_epoch > whole:  # A partial last batch: every example.
+    if array_input and steps_per_epoch > whole and not partial_last:
         raise _fail(f"steps_per_epoch={steps_per_epoch} needs {steps_per_epoch * batch_size} examples an epoch, but "
                     f"the arrays hold {num_train} ({whole} whole batches of {batch_size}); use steps_per_epoch="
                     f"{whole} or less.")
@@ -420,6 +423,11 @@ def fit(
     profile_steps: Optional[tuple[int, int]] = None,
     export: Sequence[str] = ("keras",),
     plan_extra: Optional[dict] = None,
+    shuffle: Any = True,
+    class_weight: Optional[dict] = None,
+    validation_split: float = 0.0,
+    validation_freq: Any = 1,
+    initial_epoch: int = 0,
     _report: Optional[dict] = None,
 ) -> keras.callbacks.History:
     """Trains `model` (built and compiled under the strategy's scope); returns its History.
@@ -437,7 +445,16 @@ def fit(
         raise _fail(f"epochs={epochs} must be 1 or more.")
     if grad_accum_steps < 1:
         raise _fail(f"grad_accum_steps={grad_accum_steps} must be 1 or more.")
-    source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch)
+    fit_args.check_arguments(shuffle=shuffle, class_weight=class_weight, validation_split=validation_split,
+                             validation_freq=validation_freq, initial_epoch=initial_epoch)
+    given = fit_args.prepare(x, y, sample_weight, validation_data=validation_data, batch_size=batch_size,
+                             steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
+                             validation_split=validation_split, seed=seed)
+    x, y, sample_weight, validation_data, batch_size = (given.x, given.y, given.sample_weight,
+                                                        given.validation_data, given.batch_size)
+    source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch, examples=given.examples)
+    source.shuffle = bool(shuffle)
+    fit_args.check_backend(backend, source.kind, source.shuffle)
     batch_size = source.batch_size
     if batch_size is None or int(batch_size) < 1:
         raise _fail(f"batch_size={batch_size!r} must be a positive global batch size (examples per optimizer step "
@@ -447,7 +464,9 @@ def fit(
     plan = _plan(backend, num_train=source.num_examples, batch_size=int(batch_size), epochs=epochs,
                  grad_accum_steps=grad_accum_steps, steps_per_execution=steps_per_execution,
                  steps_per_epoch=source.steps_per_epoch, seed=seed, max_steps=max_steps,
-                 extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {})},
+                 extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {}),
+                        **fit_args.plan_fields(shuffle=source.shuffle, class_weight=class_weight,
+                                               validation_split=validation_split)},
                  array_input=source.kind == "arrays", partial_dataset=source.partial)
     source.check_batches(plan)
     _build(model, backend, source.example(plan.micro_batch))
@@ -503,7 +522,8 @@ def fit(
         backend.broadcast_initial_state(list(model.variables) + _optimizer_variables(model))
         result = _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir,
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
-                      summary_every_steps, profile_steps)
+                      summary_every_steps, profile_steps, initial_epoch=int(initial_epoch),
+                      validation_freq=validation_freq)
         if rundir is not None and not result.diverged:  # Chief only; staged and renamed into place.
             _export(rundir, model, export, result, manager)
     if _report is not None:
@@ -631,7 +651,7 @@ def callbacks_for_task(callbacks: list, backend: Backend) -> list:
 
 def _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir, step_counter,
          start_step, callbacks, checkpoint_every_steps, verbose, precision, summary_every_steps,
-         profile_steps) -> LoopResult:
+         profile_steps, initial_epoch: int = 0, validation_freq: Any = 1) -> LoopResult:
     replicas = backend.num_replicas
     train_fn = lambda first: iter(backend.distribute_dataset(source.dataset_fn(plan, backend, first)))  # noqa: E731
     eval_fn, eval_steps, eval_examples = None, 0, None
@@ -642,7 +662,7 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         eval_steps = inputs.eval_steps(validation.num_examples, eval_batch, replicas)
         eval_dataset = backend.distribute_eval_dataset(inputs.eval_arrays_fn(
             validation, per_replica_batch=eval_batch, steps=eval_steps,
-            static_shapes=backend.device_kind == "tpu"))
+            static_shapes=backend.device_kind == "tpu", even_split=step_functions.custom_test))
         eval_fn = lambda: iter(eval_dataset)  # noqa: E731
         eval_examples = validation.num_examples
     history = keras.callbacks.History()
@@ -678,6 +698,7 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         profile=(profile_steps, rundir.join("tensorboard")) if profile_steps and rundir is not None
         and backend.is_chief else None,
         batch_hooks=has_batch_hooks(list(callbacks or [])), precision=precision,
+        initial_epoch=initial_epoch, validation_freq=validation_freq,
     )
     writer = rundir.summary_writer() if rundir is not None else tf.summary.create_noop_writer()
     with writer.as_default():

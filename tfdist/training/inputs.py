@@ -97,8 +97,11 @@ def train_arrays_fn(
     start_step: int = 0,
     total_steps: Optional[int] = None,
     partial_last: bool = False,
+    shuffle: bool = True,
 ) -> DatasetFn:
     """Per-replica training batches in the topology-independent order (module docstring).
+
+    Without `shuffle` every epoch takes the examples in input order (`tfdist.fit(shuffle=False)`).
 
     `start_step` skips the steps an interrupted run already trained, so a
     resumed run sees exactly the data the uninterrupted run would have. With
@@ -122,19 +125,22 @@ def train_arrays_fn(
         def step_batches(step: tf.Tensor) -> tf.data.Dataset:
             epoch = step // steps_per_epoch
             start = (step % steps_per_epoch) * global_batch
+
+            def order(positions: tf.Tensor) -> tf.Tensor:
+                if not shuffle:
+                    return positions
+                return tf.random.experimental.index_shuffle(
+                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+
             if not partial_last:
                 offset = start + first_replica * per_replica_batch
-                positions = offset + tf.range(here * per_replica_batch, dtype=tf.int64)
-                indices = tf.random.experimental.index_shuffle(
-                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+                indices = order(offset + tf.range(here * per_replica_batch, dtype=tf.int64))
                 batch = _gather(tensors, tf.reshape(indices, [here, per_replica_batch]))
                 return tf.data.Dataset.from_tensor_slices(drop_none(batch))
             n = tf.minimum(tf.constant(global_batch, tf.int64), num - start)
 
             def replica_batch(local: tf.Tensor) -> tuple:
-                positions = split_range(start, n, replicas, first_replica + local)
-                indices = tf.random.experimental.index_shuffle(
-                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+                indices = order(split_range(start, n, replicas, first_replica + local))
                 return drop_none(_gather(tensors, indices)) + (tf.cast(n, tf.float32),)
 
             return tf.data.Dataset.range(here).map(replica_batch)
@@ -175,12 +181,17 @@ def _padded_weight(weight: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
     return weight * tf.reshape(mask, tf.concat([[-1], tf.ones([tf.rank(weight) - 1], tf.int32)], 0))
 
 
-def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False) -> DatasetFn:
+def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False,
+                   even_split: bool = False) -> DatasetFn:
     """Per-replica eval batches ``(x, y, mask)``, or ``(x, y, sample_weight, mask)``: every example exactly once.
 
-    Replica r of step s takes positions ``(s * R + r) * b ...``; a last, short
-    step's n examples are split evenly instead (``n // R`` or one more each; some
-    may be empty). With `static_shapes` (TPUs) the positions past the end are
+    Replica r of step s takes positions ``(s * R + r) * b ...``. Positions past
+    the end are dropped, so the last batches are smaller (some may be empty):
+    a masked loss, a mean over each batch's unmasked entries, then sees the
+    batches Keras sees where the short one fits one replica. With `even_split`
+    (a custom ``test_step``, whose trackers average per-replica batch means) a
+    last, short step's n examples are split evenly instead (``n // R`` or one
+    more each). With `static_shapes` (TPUs) the positions past the end are
     padding instead and `mask` (one value per example, shape ``[b]``) is 0 there. The user's sample weights keep their
     structure and shape (per example ``[b]`` or per timestep ``[b, T]``, one per
     output or one for all), with the padding rows zeroed; without them the
@@ -197,11 +208,14 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
         def replica_batch(slot: tf.Tensor) -> tuple:
             step, local = slot // here, slot % here
             replica = first_replica + local
+            positions = (step * replicas + replica) * per_replica_batch + tf.range(per_replica_batch,
+                                                                                   dtype=tf.int64)
             if static_shapes:
-                positions = (step * replicas + replica) * per_replica_batch + tf.range(per_replica_batch,
-                                                                                       dtype=tf.int64)
                 indices = tf.minimum(positions, num - 1)
                 mask = tf.cast(positions < num, tf.float32)
+            elif not even_split:
+                indices = tf.boolean_mask(positions, positions < num)
+                mask = tf.ones(tf.shape(indices), tf.float32)
             else:
                 # The step's n examples split evenly over the replicas (b each but in a last, short step):
                 # a custom test_step's trackers then see parts of one size wherever n allows.

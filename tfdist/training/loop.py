@@ -36,6 +36,7 @@ from absl import logging
 
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
+from tfdist.training.fit_args import should_validate
 from tfdist.training.steps import StepFunctions
 
 # A loss that stays non-finite this many steps in a row under loss scaling
@@ -193,6 +194,8 @@ class Controller:
         profile: Optional[tuple[tuple[int, int], str]] = None,
         batch_hooks: Optional[bool] = None,
         precision: str = "",
+        initial_epoch: int = 0,
+        validation_freq: Any = 1,
     ):
         self.steps = steps
         self.backend = backend
@@ -223,6 +226,8 @@ class Controller:
         self.batch_hooks = has_batch_hooks(callbacks.callbacks) if batch_hooks is None else batch_hooks
         self.in_flight = 1 if self.batch_hooks and not backend.asynchronous else backend.max_in_flight
         self.val_examples: Optional[int] = None
+        self.initial_epoch = initial_epoch  # fit(initial_epoch=): a BackupAndRestore's restored epoch wins.
+        self.validation_freq = validation_freq
 
     # Agreement ----------------------------------------------------------------
     def check_agreement(self, step: int, precision: str) -> None:
@@ -395,10 +400,11 @@ class Controller:
                     if epoch_nonfinite:
                         train_logs["loss"] = float("nan")
                     epoch_nonfinite = False
-                    val_logs = self.evaluate()
-                    for name, value in val_logs.items():
+                    epoch_val = self.evaluate() if should_validate(epoch, self.validation_freq) else {}
+                    val_logs = epoch_val or val_logs
+                    for name, value in epoch_val.items():
                         tf.summary.scalar(f"eval/{name[4:]}", value, step=step)
-                    logs = {**train_logs, **val_logs}
+                    logs = {**train_logs, **epoch_val}
                     if backend.is_chief:
                         logging.info("epoch %d/%d step %d: %s (%.1fs)", epoch + 1, plan.epochs, step,
                                      " ".join(f"{k}={v:.4f}" for k, v in logs.items()), epoch_seconds[epoch])
@@ -430,13 +436,16 @@ class Controller:
         """Where training starts once callbacks began: a `BackupAndRestore` may move it to a later epoch.
 
         As in Keras' fit, ``model._initial_epoch`` (set by `BackupAndRestore.on_train_begin`, which also
-        restored the weights) names the first epoch to train; the data order continues from there.
+        restored the weights) names the first epoch to train, else ``fit(initial_epoch=)``; the data order
+        continues from there. A checkpoint resumed further on (tfdist's workdir) wins.
         """
-        initial = getattr(self.model, "_initial_epoch", None) or 0
+        initial = getattr(self.model, "_initial_epoch", None) or self.initial_epoch or 0
         first = min(int(initial) * self.plan.steps_per_epoch, self.plan.total_steps)
         if first <= start_step:
             return start_step
-        logging.info("Callbacks restored epoch %d: training starts at step %d.", initial, first)
+        logging.info("Starting at epoch %d (%s): training starts at step %d.", initial,
+                     "restored by a callback" if getattr(self.model, "_initial_epoch", None) else "initial_epoch",
+                     first)
         self.steps.step_counter.assign(first)
         return first
 

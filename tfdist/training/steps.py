@@ -610,11 +610,19 @@ def check_custom_steps(model: keras.Model, backend: Backend, *, grad_accum_steps
 
 
 def check_metrics(model: keras.Model, error: Callable[[str], Exception]) -> None:
-    """Refuses metrics whose state cannot be summed across replicas (call once the model is built)."""
+    """Refuses metrics whose state cannot be summed across replicas (call once the model is built).
+
+    Summed state is exact: float sums and counts (Mean-, Sum- and confusion-count-based metrics)
+    and integer counts (the IoU family's int64 confusion matrix), which travel in the float32
+    totals and are exact while a count stays below 2**24 per execution.
+    """
     for metric in model.metrics:
         for variable in metric.variables:
-            if not variable.dtype.startswith("float") or variable.aggregation != "sum":
+            summable = variable.dtype.startswith(("float", "int", "uint"))
+            if not summable or variable.aggregation != "sum":
                 raise error(
                     f"Metric {variable.path.split('/')[0]!r} keeps state ({variable.path}, {variable.dtype}, aggregation "
                     f"{variable.aggregation}) that cannot be summed across replicas; tfdist.fit supports metrics "
-                    "whose state is float sums (Keras' Mean-, Sum- and confusion-count-based metrics).")
+                    "whose state is sums or counts (aggregation 'sum': Keras' Mean-, Sum-, confusion-count- and "
+                    "IoU-based metrics). Give the metric's add_variable(aggregation='sum') state that adds up "
+                    "over batches, or compute it after training.")
