@@ -59,7 +59,7 @@ def _input_names(model: keras.Model) -> Optional[list[str]]:
 def arrays_from(model: keras.Model, x: Any, y: Any, sample_weight: Any, what: str) -> inputs.Arrays:
     """Checks and converts array inputs; `what` names them in errors ('x' or 'validation_data')."""
     x, y, sample_weight = _to_numpy(x), _to_numpy(y), _to_numpy(sample_weight)
-    if y is None:
+    if y is None and not (what == "x/y" and custom_steps.overrides(model, "train_step")):  # Its step takes x alone.
         raise _fail(f"{what} has inputs but no targets; pass y (or validation_data=(x_val, y_val)).")
     if isinstance(x, dict):
         names = _input_names(model)
