@@ -118,9 +118,6 @@ def test_recommender_with_large_embeddings(how, keras_recommender):
     assert abs(float(summary["loss"]) - keras_recommender["loss"]) <= 0.01, (summary, keras_recommender)
 
 
-@pytest.mark.xfail(strict=True, reason="main's partial last batch of arrays (2000 % 32 = 16) with the Embeddings' "
-                   "sparse gradients: CollectiveGatherV2 shape mismatch [512,32] vs [1024,32] in the last step; "
-                   "2016 examples (whole batches) train")
 @pytest.mark.parametrize("how", LAUNCHES)
 def test_transformer_block_classifier(how, keras_transformer):
     summary, *_ = run_example("transformer", how)

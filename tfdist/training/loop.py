@@ -315,6 +315,12 @@ class Controller:
                         if (backend.single_controller and stop.requested) or self.model.stop_training:
                             return
                         num = min(plan.steps_per_execution, boundary - dispatched)
+                        if plan.partial_last:
+                            # An epoch's short last step runs as an execution of its own: collectives of
+                            # one compiled loop must keep their shapes (sparse gradients' all-gather).
+                            short = (dispatched // plan.steps_per_epoch + 1) * plan.steps_per_epoch - 1
+                            if dispatched < short:
+                                num = min(num, short - dispatched)
                         if self.batch_hooks:
                             self.callbacks.on_train_batch_begin(dispatched - epoch * plan.steps_per_epoch)
                         self._profile_start(dispatched)
