@@ -28,10 +28,14 @@ def main() -> None:
         gan = custom_models.gan_model()
     initial = model.get_weights()
     x, y = custom_models.regression()
-    history = tfdist.fit(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True),
-                         epochs=2, validation_data=(x[:100], y[:100]), verbose=0, steps_per_execution=3)
-    gan_history = tfdist.fit(gan, tf.data.Dataset.from_tensor_slices(custom_models.images()).batch(
-        32, drop_remainder=True), epochs=1, verbose=0)
+    if strategy_name == "parameter_server":  # Arrays: a dataset object cannot be sent to the workers.
+        train, images, options = (x, y), (custom_models.images(),), {"batch_size": 32}
+    else:
+        train = (tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True),)
+        images, options = (tf.data.Dataset.from_tensor_slices(custom_models.images()).batch(32, drop_remainder=True),), {}
+    history = tfdist.fit(model, *train, epochs=2, validation_data=(x[:100], y[:100]), verbose=0,
+                         steps_per_execution=3, **options)
+    gan_history = tfdist.fit(gan, *images, epochs=1, verbose=0, **options)
     task = os.environ.get("HOROVOD_RANK") or json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get(
         "index", 0)
     os.makedirs(out, exist_ok=True)

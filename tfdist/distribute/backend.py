@@ -248,6 +248,14 @@ class Backend:
         apply()
         counter.assign_add(1)
 
+    def claim(self, ready: Sequence[Any] = ()) -> Any:
+        """A step's claim to apply its updates (compiled; parameter servers: see `apply_step`), or None: always."""
+        return None
+
+    def when_claimed(self, claimed: Any, fn: Callable[[], Any]) -> None:
+        """Runs `fn` (one of the step's updates) if the step's `claim` holds (compiled)."""
+        fn()
+
     @property
     def single_controller(self) -> bool:
         """Whether one process drives the whole job (else every worker runs the loop in lockstep)."""

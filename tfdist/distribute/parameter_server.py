@@ -246,6 +246,27 @@ class ParameterServerBackend(Backend):
             claimed = slots.claim(slot)
         tf.cond(claimed, step, lambda: None)
 
+    def claim(self, ready: Sequence[Any] = ()) -> Any:
+        """A custom step's claim (made once, when its first gradients are ready), as `apply_step` claims."""
+        tracing = self._tracing
+        if tracing is None:
+            return None
+        slots, slot = tracing
+        with tf.control_dependencies(tf.nest.flatten([g for g in ready if g is not None], expand_composites=True)):
+            return slots.claim(slot)
+
+    def when_claimed(self, claimed: Any, fn: Callable[[], Any]) -> None:
+        if claimed is None:
+            fn()
+            return
+        strategy = self.strategy
+
+        def run() -> None:
+            with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):  # As in `apply_step`.
+                fn()
+
+        tf.cond(claimed, run, lambda: None)
+
     def dispatch(self, compiled: Callable, iterator: Any, num_steps: Any, *args: Any) -> Any:
         """Schedules a training execution of `num_steps` steps in a progress slot of its own."""
         if compiled.slots is None:

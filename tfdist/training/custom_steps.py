@@ -99,6 +99,7 @@ class _StepState(threading.local):
     finite: Optional[list] = None  # Whether each apply's global gradients were finite.
     checking: bool = False  # In `probe`: check the variables, reduce nothing.
     applying: int = 0  # Inside an optimizer's apply (an inner optimizer's apply is not hooked again).
+    claimed: Any = None  # Parameter servers: the step's claim, made at its first apply.
 
 
 class _Unbuilt(Exception):
@@ -123,6 +124,7 @@ class GlobalGradients:
         state.examples = tf.cast(examples, tf.float32)
         state.share = tf.math.divide_no_nan(state.examples, tf.cast(total, tf.float32))
         state.finite = []
+        state.claimed = None
         try:
             with self.hooks():
                 yield
@@ -163,7 +165,14 @@ class GlobalGradients:
                     grads = hooks._global(grads)
                 state.applying += 1
                 try:
-                    return keras_own(grads, variables)
+                    if state.checking or not hooks.backend.asynchronous:
+                        return keras_own(grads, variables)
+                    # Parameter servers: the step claims once, at its first update, and applies every
+                    # update only if no earlier run of its execution did (`parameter_server.ProgressSlots`).
+                    if state.claimed is None:
+                        state.claimed = hooks.backend.claim(grads)
+                    hooks.backend.when_claimed(state.claimed, lambda: keras_own(grads, variables))
+                    return None
                 finally:
                     state.applying -= 1
 

@@ -355,7 +355,7 @@ class StepFunctions:
 
     def reset_metrics(self) -> None:
         """At an epoch's start, as Keras' fit: a custom step's own trackers count from zero (its logs read them)."""
-        if self.custom_train:
+        if self.custom_train and not self.backend.asynchronous:  # Parameter servers: never written (stateless).
             for metric in self.model.metrics:
                 metric.reset_state()
 
@@ -463,16 +463,48 @@ class StepFunctions:
         examples = custom_steps.batch_size(data)
         if not self.partial_last:
             total = examples * self.backend.num_replicas  # Every replica holds the same number of examples.
-        state = [tf_variable(v) for v in layout.variables]
-        before = [v.read_value() for v in state]
         with self.gradients.replica_step(examples, total), keras_hooks.one_replica_losses():
-            logs = self.model.train_step(data)
-        deltas = [v.read_value() - b for v, b in zip(state, before)]
-        self.backend.apply_step(lambda: None, self.step_counter)
+            if self.backend.asynchronous:
+                logs, deltas = self._asynchronous_custom_step(data)
+            else:
+                state = [tf_variable(v) for v in layout.variables]
+                before = [v.read_value() for v in state]
+                logs = self.model.train_step(data)
+                deltas = [v.read_value() - b for v, b in zip(state, before)]
+            claimed = self.gradients.state.claimed
+            if self.backend.asynchronous and claimed is None:
+                claimed = self.backend.claim()  # A step that applied nothing still uses up its claim.
+            self.backend.when_claimed(claimed, lambda: self.step_counter.assign_add(1))
         nonfinite = 1.0 - tf.cast(self.gradients.all_finite(), tf.float32)
         share = nonfinite / float(self.backend.num_replicas)
         tail = layout.logs.pack(examples, logs) if layout.logs is not None else None
         return layout.add_step(totals, [examples, share, stop], deltas, tail)
+
+    def _asynchronous_custom_step(self, data: Any) -> tuple:
+        """The user's step where workers share the variables (parameter servers); returns (logs, metric deltas).
+
+        Other workers update the same metric variables concurrently, so their before/after
+        difference is not this step's: the step runs in a `StatelessScope` that starts the
+        metrics from zero (their values at the end are this step's contribution) and records
+        the other state it writes (BatchNormalization statistics, seed generators), written
+        back as increments (`_write_state`). The optimizers' updates and step counters go to
+        the variables directly (Keras' TensorFlow optimizer assigns them outside the scope).
+        """
+        model, layout = self.model, self.layout
+        zeros = layout.zeros()
+        metric_ids = {id(v) for v in layout.variables}
+        others = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables if id(v) not in metric_ids]
+        weights = [(v, v.value) for v in model.trainable_variables]
+        scope = _RecordingScope(weights + others + list(zip(layout.variables, zeros)))
+        with scope:
+            logs = model.train_step(data)
+        deltas = [zero if scope.get_current_value(v) is None else scope.get_current_value(v)
+                  for v, zero in zip(layout.variables, zeros)]
+        for key in metric_ids:
+            scope.updated.pop(key, None)
+        _write_state(scope, {id(v): value for v, value in others}, atomic=True)
+        self._updated.update(scope.updated)
+        return logs, deltas
 
     def _replica_train_step(self, data: Any, stop: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
         if self.custom_train:
@@ -598,13 +630,6 @@ def check_custom_steps(model: keras.Model, backend: Backend, *, grad_accum_steps
     if not custom:
         return
     what = f"{type(model).__name__} overrides {' and '.join(n + '()' for n in custom)}"
-    if "train_step" in custom and backend.asynchronous:
-        raise error(
-            f"{what}; under parameter servers workers run steps concurrently on shared variables, so the "
-            "metric trackers a custom step updates (and the optimizer updates it makes) cannot be attributed to "
-            "one step or applied exactly once when a worker is lost. Train it with MultiWorkerMirroredStrategy "
-            "(tfdist-launch --num_workers=N), mirrored or Horovod, or move its logic into compute_loss(), "
-            "which tfdist's own step calls on every backend.")
     if "train_step" in custom and grad_accum_steps > 1:
         raise error(f"{what}; grad_accum_steps={grad_accum_steps} would have to split the user's step into "
                     "micro-batches, which tfdist cannot do inside code it does not own. Use grad_accum_steps=1 "
