@@ -209,3 +209,42 @@ def test_grad_accumulation_is_refused_for_a_custom_train_step():
         tfdist.fit(model, batches(*custom_models.regression()), grad_accum_steps=2, verbose=0,
                    strategy=tfdist.make_strategy("default"))
 
+
+
+def test_a_custom_step_trains_a_partial_last_batch_and_validates_an_odd_one_as_keras():
+    x, y = custom_models.regression(250)  # 7 x 32 + 26: 13 examples on each replica in the last step.
+    vx, vy = custom_models.regression(97, seed=4)  # 3 x 32 + 1: each replica evaluates whole Keras batches.
+    keras.utils.set_random_seed(0)
+    initial = custom_models.custom_fit_model().get_weights()
+    reference = custom_models.custom_fit_model()
+    reference.set_weights(initial)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    expected = reference.fit(dataset, epochs=2, verbose=0, validation_data=(vx, vy)).history
+    strategy = mirrored2()
+    with strategy.scope():
+        model = custom_models.custom_fit_model()
+    model.set_weights(initial)
+    history = tfdist.fit(model, dataset, epochs=2, strategy=strategy, verbose=0, validation_data=(vx, vy),
+                         batch_size=BATCH).history
+    assert_close(model.get_weights(), reference.get_weights())
+    for key, values in expected.items():
+        np.testing.assert_allclose(history[key], values, atol=1e-5, err_msg=key)
+
+
+def test_a_custom_step_whose_last_batch_leaves_a_replica_empty_is_refused():
+    x, y = custom_models.regression(225)  # 7 x 32 + 1.
+    strategy = mirrored2()
+    with strategy.scope():
+        model = custom_models.custom_fit_model()
+    with pytest.raises(tfdist.UserError, match=r"The last batch of each epoch holds 1 example\(s\), fewer than the "
+                                               r"2 replicas, so a replica would run CustomFit.train_step\(\) on no "
+                                               r"example"):
+        tfdist.fit(model, x, y, batch_size=BATCH, strategy=strategy, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_validation_split_of_a_model_trained_on_x_alone_is_refused():
+    model = custom_models.gan_model()
+    with pytest.raises(tfdist.UserError, match=r"validation_split with x alone \(no targets\)"):
+        tfdist.fit(model, custom_models.images(), batch_size=BATCH, validation_split=0.25, verbose=0,
+                   strategy=tfdist.make_strategy("default"))

@@ -294,3 +294,14 @@ def test_a_custom_test_step_evaluates_as_keras(name):
     assert sorted(got) == sorted(expected) == ["loss", "mae"]
     for key in expected:  # Its tracker averages batch means: each replica evaluates whole Keras batches.
         assert got[key] == pytest.approx(expected[key], abs=1e-5), (key, got, expected)
+
+
+def test_a_custom_predict_step_is_refused():
+    class Argmax(keras.Sequential):
+        def predict_step(self, data):
+            return keras.ops.argmax(self(data), -1)
+
+    with strategy_for("default").scope():
+        model = Argmax([keras.Input((5,)), keras.layers.Dense(3)])
+    with pytest.raises(tfdist.UserError, match=r"Argmax overrides predict_step\(\); tfdist.predict gathers"):
+        tfdist.predict(model, program.data()[0], verbose=0)

@@ -227,7 +227,7 @@ class LogLayout:
     def pack(self, examples: tf.Tensor, logs: dict) -> tf.Tensor:
         n = tf.cast(examples, tf.float32)
         logs = flatten_logs(logs)
-        values = [tf.reshape(tf.cast(logs[k], tf.float32), []) * n for k in self.keys]
+        values = [tf.where(n > 0, tf.reshape(tf.cast(logs[k], tf.float32), []) * n, 0.0) for k in self.keys]
         return tf.stack([n] + values)
 
     def results(self, tail: np.ndarray) -> dict[str, float]:
@@ -334,9 +334,6 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
                 if strangers and not hooks.unbuilt:  # Under a strategy the creation itself may fail.
                     raise foreign_error(strangers) from None
                 if not hooks.unbuilt:
-                    if not isinstance(e, (ValueError, TypeError, NotImplementedError, AttributeError,
-                                          tf.errors.OpError)):
-                        raise
                     raise error(f"{type(model).__name__}.{name}() failed on a batch of this input: "
                                 f"{type(e).__name__}: {' '.join(str(e).split())[:400]}") from None
                 # Keras builds an optimizer at its first apply; a replica step cannot create its variables.

@@ -376,6 +376,10 @@ def predict(
     Returns a numpy array, or the model's output structure (dict, list) of them.
     """
     backend = fitting._backend(strategy)
+    if custom_steps.overrides(model, "predict_step"):
+        raise _fail(f"{type(model).__name__} overrides predict_step(); tfdist.predict gathers the outputs of "
+                    "model(x) from every replica, and cannot run a custom predict_step yet. Apply its extra logic "
+                    "to the returned predictions (e.g. np.argmax(tfdist.predict(model, x), -1)).")
     arrays, batch = _held_out(model, x, None, None, batch_size, steps, targets=False)
     per_execution = _steps_per_execution(steps_per_execution, backend)
     fitting._check_scope(model, backend)

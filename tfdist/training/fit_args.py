@@ -302,6 +302,10 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
         validation_data = py_dataset_to_dataset(validation_data, shuffle=False, seed=seed)
     if kind == "arrays":
         if y is None:  # The core input check names it.
+            if validation_split and validation_data is None:
+                raise UserError("validation_split with x alone (no targets): tfdist validates (x, y) pairs, so a model "
+                                "trained on x alone (an autoencoder's custom train_step) cannot be validated yet. "
+                                "Drop validation_split, or pass targets.")
             return Prepared(x, y, sample_weight, validation_data, batch_size, kind)
         x, y, sample_weight = _numpy(x), _numpy(y), _numpy(sample_weight)
         if validation_split and validation_data is None:

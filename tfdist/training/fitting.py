@@ -167,8 +167,7 @@ def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
     """The examples in one pass over a dataset of batches (Keras trains each pass as an epoch).
 
     From the number of batches and the batch size, or, where the batches have no
-    static size, the first and the last batch (two elements read; the others
-    are taken to be as large as the first, as ``dataset.batch(b)`` makes them).
+    static size (``dataset.batch(b)``), by reading one pass and adding its batch sizes.
     """
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
@@ -182,8 +181,8 @@ def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
         raise _fail("The training dataset is empty.")
     if static is not None:
         return cardinality * static
-    first, last = _first_batch_size(dataset), _first_batch_size(dataset.skip(cardinality - 1))
-    return (cardinality - 1) * first + last
+    sizes = dataset.map(lambda *e: tf.shape(tf.nest.flatten(e)[0], out_type=tf.int64)[0])
+    return int(sizes.reduce(tf.constant(0, tf.int64), lambda total, n: total + n))  # One pass, read once.
 
 
 def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: Any, batch_size: Any,
@@ -281,6 +280,17 @@ def _check_scope(model: keras.Model, backend: Backend) -> None:
                 f"The model was not built under the strategy's scope (variable {variable.path} is not "
                 f"{type(backend.strategy).__name__}'s). Build and compile it inside `with strategy.scope():` "
                 "with the strategy from tfdist.make_strategy.")
+
+
+def _check_short_custom_step(model: keras.Model, backend: Backend, plan: LoopPlan, examples: int) -> None:
+    """A custom step on a replica with no example would average over nothing (NaN logs and layer state)."""
+    left = examples % plan.global_batch
+    if plan.partial_last and custom_steps.overrides(model, "train_step") and 0 < left < backend.num_replicas:
+        raise _fail(
+            f"The last batch of each epoch holds {left} example(s), fewer than the {backend.num_replicas} replicas, "
+            f"so a replica would run {type(model).__name__}.train_step() on no example (its means, trackers and "
+            "BatchNormalization statistics would become NaN). Use a batch_size that leaves at least one example "
+            "per replica in the last batch (or none), or pass steps_per_epoch= (whole batches).")
 
 
 def _optimizer_variables(model: keras.Model) -> list:
@@ -473,6 +483,7 @@ def fit(
                                                validation_split=validation_split)},
                  array_input=source.kind == "arrays", partial_dataset=source.partial)
     source.check_batches(plan)
+    _check_short_custom_step(model, backend, plan, source.num_examples)
     _build(model, backend, source.example(plan.micro_batch))
     steps_lib.check_metrics(model, _fail)  # Compiled metrics have variables only once built.
 
@@ -661,12 +672,13 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
     eval_fn, eval_steps, eval_examples = None, 0, None
     if validation is not None:
         # Keras validates in batches of batch_size; a custom test_step's trackers (means of batch means)
-        # depend on that partition, so it gets exactly that. Built-in metrics do not: larger batches are faster.
-        eval_batch = plan.per_replica_batch if step_functions.custom_test else max(plan.per_replica_batch, 64)
+        # depend on that partition, so each replica takes whole Keras batches (as tfdist.evaluate does).
+        # Built-in metrics do not depend on it: larger batches are faster.
+        eval_batch = plan.global_batch if step_functions.custom_test else max(plan.per_replica_batch, 64)
         eval_steps = inputs.eval_steps(validation.num_examples, eval_batch, replicas)
         eval_dataset = backend.distribute_eval_dataset(inputs.eval_arrays_fn(
             validation, per_replica_batch=eval_batch, steps=eval_steps,
-            static_shapes=backend.device_kind == "tpu", even_split=step_functions.custom_test))
+            static_shapes=backend.device_kind == "tpu"))
         eval_fn = lambda: iter(eval_dataset)  # noqa: E731
         eval_examples = validation.num_examples
     history = keras.callbacks.History()

@@ -475,6 +475,8 @@ class StepFunctions:
             if self.backend.asynchronous and claimed is None:
                 claimed = self.backend.claim()  # A step that applied nothing still uses up its claim.
             self.backend.when_claimed(claimed, lambda: self.step_counter.assign_add(1))
+        if self.partial_last:  # A replica with no example adds nothing (refused in fit; kept exact here).
+            deltas = [tf.where(examples > 0, d, tf.zeros_like(d)) for d in deltas]
         nonfinite = 1.0 - tf.cast(self.gradients.all_finite(), tf.float32)
         share = nonfinite / float(self.backend.num_replicas)
         tail = layout.logs.pack(examples, logs) if layout.logs is not None else None
@@ -630,6 +632,16 @@ def check_custom_steps(model: keras.Model, backend: Backend, *, grad_accum_steps
     if not custom:
         return
     what = f"{type(model).__name__} overrides {' and '.join(n + '()' for n in custom)}"
+    if "train_step" in custom and backend.asynchronous:
+        scaled = [type(opt).__name__ for opt in custom_steps.optimizers_of(model)
+                  if isinstance(opt, keras.optimizers.LossScaleOptimizer)]
+        constrained = [v.path for v in model.trainable_variables if getattr(v, "constraint", None) is not None]
+        if scaled or constrained:
+            raise error(
+                f"{what} with {'a LossScaleOptimizer' if scaled else 'a weight constraint (' + constrained[0] + ')'}; "
+                "under parameter servers a custom step's updates are applied only if the step's claim holds, and "
+                "the state those update alongside cannot be written there. Train in float32 without weight "
+                "constraints, or with MultiWorkerMirroredStrategy or Horovod.")
     if "train_step" in custom and grad_accum_steps > 1:
         raise error(f"{what}; grad_accum_steps={grad_accum_steps} would have to split the user's step into "
                     "micro-batches, which tfdist cannot do inside code it does not own. Use grad_accum_steps=1 "
