@@ -33,6 +33,18 @@ def _float32_policy():
     keras.mixed_precision.set_dtype_policy("float32")
 
 
+@pytest.fixture(autouse=True)
+def _no_current_strategy():
+    """Each test starts as a fresh program: `tfdist.fit` without `strategy=` uses TensorFlow's default
+    strategy until the test calls `make_strategy` (a mirrored one an earlier test made on the same
+    xdist worker would otherwise be taken)."""
+    from tfdist.distribute import strategies
+
+    strategies._CURRENT.clear()
+    yield
+    strategies._CURRENT.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_digits_dir(tmp_path_factory) -> str:
     """A tfds data_dir holding the prepared `tiny_digits` dataset (tests/tiny_digits.py), made once per session."""
