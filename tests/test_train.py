@@ -7,6 +7,8 @@ steps per execution) in float32.
 
 import json
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -15,7 +17,7 @@ import tensorflow as tf
 
 import tfdist
 
-from tests.conftest import load_weights
+from tests.conftest import REPO, load_weights, subprocess_env
 from tfdist.mnist import data, train
 from tfdist.distribute import strategies
 from tfdist.mnist.config import TrainConfig
@@ -262,11 +264,20 @@ def test_tfds_train_split_streams_from_files_and_learns(tmp_path, tiny_digits_di
 
 
 def test_tfds_stream_trains_the_same_on_one_or_two_local_replicas(tmp_path, tiny_digits_dir):
-    """One input pipeline per process: its replicas split each global batch in order (20 steps: past a pass)."""
-    common = dict(precision="float32", optimizer="sgd", learning_rate=0.1, max_steps=20)
-    tfds_run(tmp_path, tiny_digits_dir, "one", strategy="default", **common)
-    tfds_run(tmp_path, tiny_digits_dir, "two", strategy="mirrored", num_cpu_replicas=2, all_reduce="reduce_to_one",
-             **common)
+    """One input pipeline per process: its replicas split each global batch in order (20 steps: past a pass).
+
+    Each run is a fresh tfdist-train process, as users run it. (In-process, after some other tests of the
+    same xdist worker, the two runs differed by 4.5e-4, deterministically; alone they agree to 7e-5.
+    The state that carries over was not found: see the closing note of issue 19.)
+    """
+    common = ["--precision=float32", "--optimizer=sgd", "--learning_rate=0.1", "--max_steps=20",
+              "--dataset=tfds:tiny_digits", f"--data_dir={tiny_digits_dir}"]
+    for name, strategy in (("one", ["--strategy=default"]),
+                           ("two", ["--strategy=mirrored", "--num_cpu_replicas=2", "--all_reduce=reduce_to_one"])):
+        result = subprocess.run([sys.executable, "-m", "tfdist.cli.train", *common, *strategy,
+                                 f"--workdir={tmp_path / name}"], capture_output=True, text=True, timeout=300,
+                                cwd=REPO, env=subprocess_env())
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for a, b in zip(load_weights(str(tmp_path / "one" / "model.keras")),
                     load_weights(str(tmp_path / "two" / "model.keras"))):
         # Summation-order noise after 20 steps at this learning rate: measured 4e-5 to 7e-5.
