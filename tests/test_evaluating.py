@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import tfdist
 from tests.conftest import REPO, subprocess_env
-from tfdist.distribute import horovod_support
+from tests.test_horovod import horovodrun, needs_horovod
 from tfdist.training import inputs
 
 MIRRORED = {"all_reduce": "reduce_to_one"}  # See tests/test_fitting.py.
@@ -266,14 +266,9 @@ def test_a_parameter_server_job_evaluates_and_predicts_on_the_chief(tmp_path):
     assert_tasks_equal_keras(str(tmp_path), ["chief0"])
 
 
-@pytest.mark.skipif(not horovod_support.is_horovod_available(),
-                    reason="horovod runs in the TF 2.18 lane (tests/test_horovod.py)")
+@needs_horovod
 def test_two_horovod_ranks_evaluate_and_predict_as_keras(tmp_path):
-    env = subprocess_env()
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "-H",
-                             "localhost:2", "--gloo", sys.executable, PROGRAM, str(tmp_path)], capture_output=True,
-                            text=True, timeout=300, env=env, cwd=REPO)
+    result = horovodrun([sys.executable, PROGRAM, str(tmp_path)], tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_tasks_equal_keras(str(tmp_path), ["rank0", "rank1"])
 

@@ -199,7 +199,7 @@ def _num_steps(num_examples: int, batch: int, backend: Backend) -> int:
 
 def _steps_per_execution(value: Optional[int], backend: Backend) -> int:
     if value is None:
-        return 100 if backend.device_kind == "tpu" else 10
+        return fitting.default_steps_per_execution(backend)
     if isinstance(value, bool) or int(value) < 1:
         raise _fail(f"steps_per_execution={value!r} must be 1 or more.")
     return int(value)
