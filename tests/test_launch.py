@@ -253,13 +253,22 @@ def last():  # Registered first, so it runs after every other exit hook of the p
     print(f"exit hook of worker:{index} at {time.time():.3f}", flush=True)
 atexit.register(last)
 sys.argv = ["tfdist-train", *sys.argv[1:]]
-runpy.run_module("tfdist.cli.train", run_name="__main__", alter_sys=True)
+try:
+    runpy.run_module("tfdist.cli.train", run_name="__main__", alter_sys=True)
+finally:
+    if index == 0:
+        time.sleep(20)  # The chief's own work after training (past the coordination heartbeat timeout, 10 s).
+        print(f"worker:0 finished its own work at {time.time():.3f}", flush=True)
 """
 
 
 def test_the_coordination_service_leader_exits_after_the_other_workers(tmp_path):
     """Worker 0 hosts TensorFlow's coordination service; a worker still exiting when it has gone sees its
-    heartbeats fail and TensorFlow aborts its collectives mid-teardown (SIGABRT, 1 run in 7 under load)."""
+    heartbeats fail and TensorFlow aborts its collectives mid-teardown (SIGABRT, 1 run in 7 under load).
+    And the other way round: a worker that exits while the leader still works (here 20 s after training) is
+    flagged unhealthy after the heartbeat timeout, and the leader aborts its collectives, and at times its own
+    exit (SIGABRT, seen in CI when worker 0's evaluation and export ran long). So every task waits for the
+    others at exit."""
     program = tmp_path / "lingering_exit.py"
     program.write_text(LINGERING_EXIT)
     result = run_module("tfdist.cli.launch", [
@@ -270,6 +279,9 @@ def test_the_coordination_service_leader_exits_after_the_other_workers(tmp_path)
     exits = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"exit hook of worker:(\d) at ([\d.]+)", output)}
     assert sorted(exits) == [0, 1], output[-3000:]
     assert exits[0] > exits[1], exits  # The leader waited for worker 1's process to end.
+    finished = float(re.search(r"worker:0 finished its own work at ([\d.]+)", output).group(1))
+    assert exits[1] > finished, (exits, finished)  # Worker 1 waited for the leader's work to end.
+    assert "unhealthy" not in output and "StartAbort" not in output, output[-3000:]
 
 
 SLOW = ["--strategy=multi_worker_mirrored", "--steps_per_execution=1", "--checkpoint_every_steps=20"]

@@ -31,8 +31,8 @@ FULL = {"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4", "h:5"]}
 @pytest.mark.parametrize("spec, shards, expected", [
     ({"worker": ["h:2"], "ps": ["h:4"]}, None, "needs chief, worker and ps tasks, but TF_CONFIG has no chief"),
     ({"chief": ["h:1"], "worker": ["h:2"]}, None, "has no ps (it has chief, worker). With tfdist-launch give --num_ps"),
-    (FULL, 3, "--ps_shards=3 but the cluster has 2 ps task(s); use 1 to 2"),
-    (FULL, 2, "Keras 3 variables cannot be partitioned across parameter servers"),
+    (FULL, 0, "--ps_shards=0: give 1 or more (how many row shards each tfdist.layers.ShardedEmbedding table is "
+              "split into over the 2 ps task(s); by default one per ps task)."),
 ])
 def test_cluster_checks(spec, shards, expected):
     task = {"type": "worker", "index": 0}

@@ -43,8 +43,8 @@ flags.DEFINE_string("tpu_zone", None, "GCE zone of the TPU (--strategy=tpu).")
 flags.DEFINE_string("gcp_project", None, "GCP project of the TPU (--strategy=tpu).")
 flags.DEFINE_string("hvd_compression", None, "Horovod gradient compression: none|fp16.")
 flags.DEFINE_string("hvd_op", None, "Horovod reduction: average|adasum.")
-flags.DEFINE_integer("ps_shards", None, "--strategy=parameter_server: 1 (whole variables, round-robin over the ps "
-                     "tasks); more is refused, Keras 3 variables cannot be partitioned.")
+flags.DEFINE_integer("ps_shards", None, "--strategy=parameter_server: row shards per tfdist.layers.ShardedEmbedding "
+                     "table (default: one per ps task); other variables stay whole, round-robin over the ps tasks.")
 # Data.
 flags.DEFINE_string("dataset", _D.dataset, "mnist (bundled) | synthetic | idx:DIR | tfds:NAME.")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (tfds:NAME).")

@@ -4,7 +4,9 @@ Keras 3's `model.fit` has no ParameterServerStrategy path, so tfdist drives it
 itself: the chief is the coordinator and runs tfdist's training loop, whose
 compiled multi-step function is *scheduled* onto the workers (several in
 flight at once, asynchronously); the model, optimizer and step-counter
-variables live on the parameter servers, placed round-robin across them.
+variables live on the parameter servers, placed round-robin across them
+(whole; only `tfdist.layers.ShardedEmbedding` tables are split into row
+shards, ``--ps_shards`` of them, one per ps task by default).
 Workers and parameter servers run a TensorFlow server and serve until the
 chief has finished, then exit 0.
 
@@ -60,17 +62,10 @@ def check_cluster(info: ClusterInfo, *, ps_shards: int | None) -> None:
         )
     if info.task_type == "evaluator":
         raise UserError("tfdist evaluates inline on the chief; remove the evaluator task from TF_CONFIG.")
-    if ps_shards is not None and not 1 <= ps_shards <= info.num_ps:
+    if ps_shards is not None and ps_shards < 1:
         raise UserError(
-            f"--ps_shards={ps_shards} but the cluster has {info.num_ps} ps task(s); use 1 to {info.num_ps}."
-        )
-    if ps_shards is not None and ps_shards > 1:
-        raise UserError(
-            f"--ps_shards={ps_shards}: Keras 3 variables cannot be partitioned across parameter servers "
-            "(TensorFlow's ShardedVariable has no handle, which Keras 3's TensorFlow variables need). tfdist "
-            f"places whole variables round-robin across the {info.num_ps} ps tasks instead; use --ps_shards=1 "
-            "or leave it unset."
-        )
+            f"--ps_shards={ps_shards}: give 1 or more (how many row shards each tfdist.layers.ShardedEmbedding "
+            f"table is split into over the {info.num_ps} ps task(s); by default one per ps task).")
 
 
 def _server_config(info: ClusterInfo) -> tf.compat.v1.ConfigProto:
@@ -342,4 +337,7 @@ def build(info: ClusterInfo, *, ps_shards: int | None) -> Backend:
         tf.train.ClusterSpec({k: list(v) for k, v in info.cluster.items()}), task_type="chief", task_id=0,
         rpc_layer="grpc")
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    # Read by tfdist.layers.ShardedEmbedding when it builds under this strategy (tables only: every other
+    # variable stays whole, placed round-robin).
+    strategy._tfdist_ps_shards = ps_shards
     return ParameterServerBackend(strategy, info)

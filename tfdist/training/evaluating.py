@@ -232,6 +232,7 @@ def _executions(num_steps: int, per_execution: int) -> list[tuple[int, int]]:
 
 
 # evaluate ------------------------------------------------------------------------------------
+@fitting.naming_bad_ids
 def evaluate(
     model: keras.Model,
     x: Any = None,
@@ -360,6 +361,7 @@ def _build_for_predict(model: keras.Model, backend: Backend, arrays: inputs.Arra
         model(inputs.map_present(lambda a: a[:1], arrays.x), training=False)
 
 
+@fitting.naming_bad_ids
 def predict(
     model: keras.Model,
     x: Any,

@@ -414,6 +414,23 @@ def _releasing_the_runner(fit_fn: Any) -> Any:
     return fit_and_release
 
 
+def naming_bad_ids(fn: Any) -> Any:
+    """A step that failed `ShardedEmbedding`'s id check raises its one-paragraph `UserError` instead."""
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except tf.errors.InvalidArgumentError as e:
+            from tfdist.layers.sharded_embedding import id_error
+
+            clear = id_error(e)
+            if clear is None:
+                raise
+            raise clear from None
+    return checked
+
+
+@naming_bad_ids
 @_releasing_the_runner
 def fit(
     model: keras.Model,

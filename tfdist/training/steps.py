@@ -50,7 +50,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training import custom_steps, inputs as inputs_lib, keras_hooks
+from tfdist.training import custom_steps, inputs as inputs_lib, keras_hooks, sparse_updates
 
 NUM_SCALARS = 3  # examples, non-finite losses, stop requests.
 
@@ -138,6 +138,9 @@ def _unpack(data: Any) -> tuple:
 def _add_grads(a: Any, b: Any) -> Any:
     if a is None or b is None:
         return a if b is None else b
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):  # Embedding rows: stay sparse.
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
+                                a.dense_shape)
     if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
         a, b = (tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in (a, b))
     return a + b
@@ -326,6 +329,10 @@ class StepFunctions:
         self.partial_last = partial_last  # Batches end with the step's global count (`inputs`).
         self.step_counter = step_counter
         keras_hooks.check_internals(model, asynchronous=backend.asynchronous)
+        if training:
+            sparse_updates.check(model)
+            if backend.asynchronous:
+                sparse_updates.warn_whole_table_reads(model)
         # The parts a global batch is split into: each computes the one-device loss of its examples.
         self.parts = backend.num_replicas * grad_accum_steps
         self.custom_train = custom_steps.overrides(model, "train_step") and training
@@ -537,6 +544,7 @@ class StepFunctions:
     def _keras_optimizer_hooks(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(keras_hooks.no_gradient_sum(self.optimizer))
+            stack.enter_context(sparse_updates.sparse_table_updates(self.model))
             if self.backend.asynchronous:
                 stack.enter_context(keras_hooks.atomic_iterations(self.optimizer))
             yield

@@ -147,10 +147,95 @@ def seed_generator_states(model: Any) -> list:
     return states
 
 
+class _Named(tf.__internal__.tracking.Trackable):
+    """A checkpoint node whose children are the given (name -> variable) pairs."""
+
+    def __init__(self, children: dict):
+        self._named = dict(children)
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
+        return dict(self._named)
+
+
+def _table(parts: list, name: str) -> Any:
+    """One logical variable saved in row slices: restores into any number of parts (2 shards -> 3)."""
+    from tensorflow.python.distribute import sharded_variable
+
+    from tfdist.distribute.backend import tf_variable
+
+    return sharded_variable.ShardedVariable([tf_variable(p) for p in parts], name=name)
+
+
+def _slot_owner(slot: Any, references: list) -> tuple[int, str] | None:
+    """(index in `references`, slot name) of a Keras optimizer slot, from its name (``{path}_{slot}``)."""
+    best = None
+    for index, reference in enumerate(references):
+        prefix = reference.path.replace("/", "_") + "_"
+        if slot.name.startswith(prefix) and (best is None or len(prefix) > best[2]):
+            best = (index, slot.name[len(prefix):], len(prefix))
+    return None if best is None else best[:2]
+
+
+def sharded_checkpoint_views(model: Any) -> tuple[Any, Any]:
+    """The model and its optimizer as checkpoint nodes whose keys do not depend on any table's shard count.
+
+    Keras' own checkpoint keys are positions in its variable lists, which move
+    when a `ShardedEmbedding` has another number of shards. Here each table, and
+    each optimizer slot of a table, is one variable saved in row slices
+    (``tables/J``, ``table_slots/J/NAME``); every other variable keeps its
+    position among the variables that are not shards (``variables/I``,
+    ``slots/I/NAME``, ``other/K``).
+    """
+    from tfdist.layers.sharded_embedding import sharded_tables
+
+    tables = sharded_tables(model)
+    shard_of = {id(shard): (j, k) for j, table in enumerate(tables) for k, shard in enumerate(table.shards)}
+    model_children, seen = {}, set()
+    for variable in model.variables:
+        if id(variable) in seen or id(variable) in shard_of:
+            continue
+        seen.add(id(variable))
+        model_children[f"variables/{len(model_children)}"] = variable
+    for j, table in enumerate(tables):
+        model_children[f"tables/{j}"] = _table(table.shards, f"{table.name}/embeddings")
+    optimizer = model.optimizer
+    references = [v for v in model.trainable_variables]
+    plain = [v for v in references if id(v) not in shard_of]
+    position = {id(v): i for i, v in enumerate(plain)}
+    children: dict = {}
+    table_slots: dict = {}
+    others = 0
+    for variable in optimizer.variables:
+        owner = _slot_owner(variable, references)
+        if owner is None:
+            children[f"other/{others}"] = variable
+            others += 1
+        elif id(references[owner[0]]) in shard_of:
+            j, k = shard_of[id(references[owner[0]])]
+            table_slots.setdefault((j, owner[1]), {})[k] = variable
+        else:
+            children[f"slots/{position[id(references[owner[0]])]}/{owner[1]}"] = variable
+    for (j, name), parts in sorted(table_slots.items()):
+        children[f"table_slots/{j}/{name}"] = _table([parts[k] for k in sorted(parts)], f"{tables[j].name}/{name}")
+    return _Named(model_children), _Named(children)
+
+
 def training_checkpoint(model: Any, step: tf.Variable) -> tf.train.Checkpoint:
-    """What a checkpoint holds: the model, its optimizer, the step counter and the seed generators' state."""
-    return tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step,
-                               **{SEED_CHILD: SeedStates(seed_generator_states(model))})
+    """What a checkpoint holds: the model, its optimizer, the step counter and the seed generators' state.
+
+    A model with `ShardedEmbedding` tables is held through `sharded_checkpoint_views`, so a
+    run resumes on another shard count.
+    """
+    from tfdist.layers.sharded_embedding import sharded_tables
+
+    seeds = {SEED_CHILD: SeedStates(seed_generator_states(model))}
+    from tfdist.training.custom_steps import overrides
+
+    # A custom train_step's own optimizers are the model's attributes: Keras' tracking holds them.
+    if sharded_tables(model) and not overrides(model, "train_step"):
+        model_view, optimizer_view = sharded_checkpoint_views(model)
+        return tf.train.Checkpoint(model=model_view, optimizer=optimizer_view, step=step, **seeds)
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step, **seeds)
 
 
 def restore_checkpoint(checkpoint: tf.train.Checkpoint, path: str) -> None:
