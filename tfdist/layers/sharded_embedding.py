@@ -62,10 +62,11 @@ def _default_shards(name: str, rows: int) -> int:
     given = getattr(strategy, "_tfdist_ps_shards", None)
     if given is not None:
         return _check_count(name, given, rows, "--ps_shards")
-    num_ps = strategy.cluster_resolver.cluster_spec().num_tasks("ps")
+    num_ps = getattr(strategy.extended, "_num_ps", None) or 1
     return min(num_ps, rows)
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class ShardedEmbedding(keras.layers.Layer):
     """`keras.layers.Embedding(input_dim, output_dim, ...)` with its table in `num_shards` row shards.
 
@@ -185,7 +186,7 @@ class ShardedEmbedding(keras.layers.Layer):
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero:
             return None
-        return tf.not_equal(inputs, 0)
+        return keras.ops.not_equal(inputs, 0)
 
     def compute_output_shape(self, input_shape: Sequence[Any]) -> tuple:
         return (*input_shape, self.output_dim)
@@ -234,6 +235,6 @@ def id_error(error: BaseException) -> Optional[UserError]:
         return None
     parts = re.findall(r"\[([^\[\]]*)\]", text[text.rfind("[", 0, start):])
     if len(parts) < 5:
-        return UserError(" ".join(text[start:].split()))
+        return UserError(" ".join(text[start:].split()).replace("\\'", "'"))
     head, low, _, high, tail = (p.strip() for p in parts[:5])
-    return UserError(f"{head} {low} to {high}{tail}")
+    return UserError(f"{head} {low} to {high}{tail}".replace("\\'", "'"))

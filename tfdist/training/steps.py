@@ -50,6 +50,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
+from tfdist.layers.sharded_embedding import sharded_tables
 from tfdist.training import custom_steps, inputs as inputs_lib, keras_hooks, sparse_updates
 
 NUM_SCALARS = 3  # examples, non-finite losses, stop requests.
@@ -345,6 +346,8 @@ class StepFunctions:
             eval_example is not None else \
             (MetricLayout(model) if self.custom_train else self.layout)
         self._updated: dict[int, Any] = {}  # State the traced forward passes write (ids), for `synced`.
+        self._shards = {id(shard) for table in sharded_tables(model) for shard in table.shards
+                        if table.embeddings_regularizer is None}
         self.jit_compile = jit_compile
         # XLA compiles one step (as Keras does); the loop around it reads the iterator.
         self._train_step = tf.function(self._distributed_train_step, jit_compile=True) if jit_compile \
@@ -392,7 +395,9 @@ class StepFunctions:
         factor = 1.0 / share if summed else None
         # Metric state starts from zero (its deltas are what is collected); model
         # weights read as themselves (regularisers read them inside the scope).
-        weights = [(v, v.value) for v in model.variables]
+        # (Not a ShardedEmbedding table's shards, unless a regulariser reads them: a lookup gathers its rows
+        # on the ps, and a whole read there can cost a copy of the table at every step.)
+        weights = [(v, v.value) for v in model.variables if id(v) not in self._shards]
         with StatelessScope(state_mapping=weights + list(zip(layout.variables, zeros))) as scope, \
                 _model_losses(model, added), keras_hooks.one_replica_losses(factor):
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
