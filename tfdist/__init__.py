@@ -10,7 +10,8 @@
 
 Public names: `make_strategy`, `fit`, `evaluate` and `predict` (Keras' `Model.evaluate` and
 `Model.predict` under the same strategy and input handling), `UserError` (what bad input raises; a
-`ValueError`), `Preempted` (raised after SIGTERM saved a checkpoint).
+`ValueError`), `Preempted` (raised after SIGTERM saved a checkpoint). Layers: `tfdist.layers`
+(`ShardedEmbedding`: an embedding table in row shards over parameter servers).
 Entry points: `tfdist-train` (the MNIST program, tfdist.cli.train),
 `tfdist-launch`, `tfdist-env`. Importing this package does not import
 TensorFlow; the first use of a public name does.
@@ -39,6 +40,10 @@ def __getattr__(name: str) -> Any:
         from tfdist.training import evaluating
 
         return getattr(evaluating, name)
+    if name == "layers":
+        import tfdist.layers
+
+        return tfdist.layers
     if name == "Preempted":
         from tfdist.training.loop import Preempted
 

@@ -45,6 +45,9 @@ LARGE_TABLE_BYTES = 16 * 2**20
 _warned: set = set()  # (id(optimizer), table name): warned once per process.
 
 
+_SLOTS = {"adagrad": ("_accumulators",), "momentum": ("momentums",), "lazy_adam": ("_momentums", "_velocities")}
+
+
 def _rule(optimizer: Any, mode: str) -> Optional[str]:
     """Which row-sparse rule `optimizer` gets for a table in `mode`, or None (Keras' dense update)."""
     kind = type(optimizer)
@@ -67,6 +70,13 @@ def check(model: keras.Model) -> None:
     optimizer = keras_hooks.optimizers(model.optimizer)[-1]
     for table in tables:
         rule = _rule(optimizer, table.sparse_updates)
+        needed = ["_trainable_variables", "_get_variable_index", "update_step", *_SLOTS.get(rule, ())]
+        missing = [name for name in needed if not hasattr(optimizer, name)]
+        if rule is not None and missing:
+            raise UserError(
+                f"tfdist's row-sparse update of ShardedEmbedding {table.name!r} relies on Keras internals that this "
+                f"Keras ({keras.__version__}) lacks: {', '.join(f'{type(optimizer).__name__}.{n}' for n in missing)}. "
+                "Install a Keras 3 release tfdist supports (tested with 3.15.1).")
         if rule is None and table.sparse_updates == "lazy":
             raise UserError(
                 f"ShardedEmbedding {table.name!r} asks for sparse_updates='lazy', which tfdist implements for "
