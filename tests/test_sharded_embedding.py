@@ -286,3 +286,19 @@ def test_a_dense_update_of_a_large_table_is_named_once(caplog):
                         "slots) at every step, as Keras does. For row-sparse updates use SGD without momentum or "
                         "Adagrad (exact), or sparse_updates='lazy' with momentum SGD or Adam "
                         "(docs/sharded-embeddings.md)."], messages
+
+
+@pytest.mark.parametrize("optimizer, mode", [("sgd", "exact"), ("adagrad", "exact"), ("adam", "lazy")])
+def test_two_mirrored_replicas_train_as_one_device(optimizer, mode):
+    """The all-reduced rows (IndexedSlices) and the per-replica row updates give one device's result."""
+    ids, y, table = data()
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1), "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+            "adam": lambda: keras.optimizers.Adam(0.01)}[optimizer]
+    one = build(ShardedEmbedding(ROWS, DIM, weights=[table], num_shards=2, sparse_updates=mode), make())
+    tfdist.fit(one, ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, strategy=strategy())
+    mirrored = tfdist.make_strategy("mirrored", num_cpu_replicas=2, all_reduce="reduce_to_one", precision="float32")
+    with mirrored.scope():
+        two = build(ShardedEmbedding(ROWS, DIM, weights=[table], num_shards=2, sparse_updates=mode), make())
+    tfdist.fit(two, ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, strategy=mirrored)
+    np.testing.assert_allclose(two.layers[0].table(), one.layers[0].table(), atol=1e-5)
+    assert np.abs(one.layers[0].table() - table).max() > 1e-3
