@@ -3,13 +3,15 @@
   python examples/sharded_recommender.py                           # one device
   tfdist-launch --num_workers=2 --num_ps=2 -- python examples/sharded_recommender.py --strategy=parameter_server
 
-20,000 users and 50,000 items, a 16-dimensional vector and a bias for each:
-about 1.1M table rows. The clicks are made up (seeded, no download): each user
-and item has hidden rank-8 factors and a bias, and a user clicks an item with
-probability sigmoid(factors . factors + biases); a few items are far more
-popular than the rest. The model is the usual dot product of a user tower and
-an item tower, trained with Adagrad on binary cross-entropy and judged by AUC
-on a held-out 10% of the clicks.
+20,000 users and 50,000 items, an 8-dimensional vector and a bias for each
+(630,000 parameters in four tables). The clicks are made up (seeded, no
+download): each user and item has hidden rank-4 factors and a bias, a user
+clicks an item with probability sigmoid(factors . factors + biases), and a few
+thousand active users and popular items get most of the 300,000 impressions.
+The model is the usual dot product of a user tower and an item tower, trained
+with Adagrad on binary cross-entropy for 4 epochs and judged by AUC on a
+held-out 10% of the impressions (about 0.74 here; the clicks' own
+probabilities score 0.87).
 
 The changes from plain Keras: `keras.layers.Embedding` becomes
 `tfdist.layers.ShardedEmbedding` (under parameter servers each table is split
@@ -33,8 +35,8 @@ from tfdist.layers import ShardedEmbedding
 
 NUM_USERS = 20_000
 NUM_ITEMS = 50_000
-RANK = 8  # Of the hidden preferences.
-EMBEDDING_SIZE = 16
+RANK = 4  # Of the hidden preferences.
+EMBEDDING_SIZE = 8
 NUM_CLICKS = 300_000
 BATCH_SIZE = 512
 
@@ -46,10 +48,10 @@ def make_clicks(seed: int = 0) -> tuple[dict, np.ndarray, dict, np.ndarray]:
     item_factors = rng.normal(size=(NUM_ITEMS, RANK)) / RANK ** 0.25
     user_bias = rng.normal(scale=0.5, size=NUM_USERS)
     item_bias = rng.normal(scale=1.0, size=NUM_ITEMS)
-    user = rng.integers(0, NUM_USERS, NUM_CLICKS)
-    # Popular items: a heavy tail, so most impressions fall on a few thousand of the 50,000 ids.
+    # Heavy tails: most impressions go to a few thousand active users and popular items.
+    user = rng.permutation(NUM_USERS)[(rng.pareto(1.2, NUM_CLICKS) * 300).astype("int64") % NUM_USERS]
     item = rng.permutation(NUM_ITEMS)[(rng.pareto(1.2, NUM_CLICKS) * 500).astype("int64") % NUM_ITEMS]
-    logit = 1.5 * np.sum(user_factors[user] * item_factors[item], axis=1) + user_bias[user] + item_bias[item]
+    logit = 2.0 * np.sum(user_factors[user] * item_factors[item], axis=1) + user_bias[user] + item_bias[item]
     clicked = (rng.random(NUM_CLICKS) < 1 / (1 + np.exp(-logit))).astype("float32")
     x = {"user": user.astype("int32"), "item": item.astype("int32")}
     cut = int(0.9 * NUM_CLICKS)
@@ -68,7 +70,11 @@ def build_model() -> keras.Model:
     score = ops.sum(user_vector * item_vector, axis=1, keepdims=True) + user_bias + item_bias
     clicked = layers.Activation("sigmoid", name="clicked")(score)
     model = keras.Model({"user": user, "item": item}, clicked)
-    model.compile(optimizer=keras.optimizers.Adagrad(learning_rate=0.1),  # Row-sparse and exact on the tables.
+    # Adagrad: each step updates only the rows its batch looked up (exactly Keras' update). The loss is a
+    # mean over 512 examples, so a row's gradient is small next to the accumulator's start (0.1): hence
+    # the large learning rate (10 learns faster, but 2 asynchronous workers then end 1-2 points of AUC
+    # below one process).
+    model.compile(optimizer=keras.optimizers.Adagrad(learning_rate=5.0),
                   loss=keras.losses.BinaryCrossentropy(), metrics=[keras.metrics.AUC(name="auc")])
     return model
 
@@ -76,7 +82,7 @@ def build_model() -> keras.Model:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="auto")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=4)
     args = parser.parse_args()
     strategy = tfdist.make_strategy(args.strategy)  # changed: a strategy (before TF starts), its scope
     keras.utils.set_random_seed(0)

@@ -8,6 +8,7 @@ both sides; evaluation is never timed).
 
   python scripts/benchmark.py                                  # every row this machine can run
   python scripts/benchmark.py --rows=fit,spe --repeats=5 --epochs=4 --out_dir=benchmarks
+  python scripts/benchmark.py --rows=ps_embedding --repeats=3                   # the ShardedEmbedding rows alone
   python scripts/benchmark.py --horovod_python=.nox/tests-tf2-18-horovod/bin/python   # adds the horovod rows
 
 It writes OUT_DIR/benchmark.json (every raw measurement, medians, min/max,
@@ -25,6 +26,13 @@ CPU rows (pinned to the CPU with CUDA_VISIBLE_DEVICES="" on a GPU machine):
   allreduce  MWMS 2 workers: --all_reduce=ring vs auto (row allreduce), --all_reduce_dtype=bfloat16 vs
              float32 (ar_bf16), --all_reduce_pack_mb=0.25 vs 0, TensorFlow's default (ar_pack).
   ps         ParameterServerStrategy, 1 ps + 2 workers over loopback vs 1 local worker, same global batch.
+  ps_embedding  ParameterServerStrategy, 2 ps + 2 workers over loopback, scripts/ps_embedding.py: ids (one
+             random id per example) -> embedding (N x 64) -> Flatten -> Dense(1), batch 1024, trained with
+             tfdist.fit. Rows sharded_vs_keras_sgd and sharded_vs_keras_adagrad: tfdist.layers.ShardedEmbedding
+             vs keras.layers.Embedding, 1,000,000 x 64 table (target >= 20x); row rows_1m_vs_10k:
+             ShardedEmbedding with 1,000,000 rows vs 10,000 rows, SGD (target >= 0.80, i.e. 1M's step within
+             1.25x of 10k's). Examples/s over epochs 2..N of 5 x steps_per_execution steps (Keras' Embedding, which
+             reads its whole table every step: 2 x steps_per_execution steps), so A / B is B's step time over A's.
   horovod    Horovod 2 ranks (horovodrun --gloo) vs MWMS 2 workers, same global batch and TensorFlow
              (both sides run with --horovod_python, an environment with horovod, e.g. TF 2.18).
   hvd_fp16   Horovod 2 ranks, --hvd_compression=fp16 vs none (with --horovod_python).
@@ -55,12 +63,20 @@ from typing import Callable, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPE_SWEEP = (1, 2, 5, 10, 20, 50)
-CPU_GROUPS = ("fit", "input", "bf16", "jit", "mwms", "allreduce", "ps", "horovod", "hvd_fp16", "hvd_cycle", "spe")
+CPU_GROUPS = ("fit", "input", "bf16", "jit", "mwms", "allreduce", "ps", "ps_embedding", "horovod", "hvd_fp16",
+              "hvd_cycle", "spe")
 GPU_GROUPS = ("gpu",)
 GPU_ROWS = ("gpu_fit", "gpu_bf16", "gpu_fp16", "gpu_xla", "gpu_mirrored")
 HOROVOD_GROUPS = ("horovod", "hvd_fp16", "hvd_cycle")
 # Targets set in the project's issue 11: ratio of the medians (A over B) a row should reach.
-TARGETS = {"fit": 1.25, "input": 0.95, "mwms": 0.80, "ps": 0.75, "horovod": 0.90}
+TARGETS = {"fit": 1.25, "input": 0.95, "mwms": 0.80, "ps": 0.75, "horovod": 0.90,
+           # The ShardedEmbedding rows: >= 20x Keras' Embedding; a 1M-row table's step within 1.25x of a 10k one's.
+           "sharded_vs_keras_sgd": 20.0, "sharded_vs_keras_adagrad": 20.0, "rows_1m_vs_10k": 0.80}
+# ps_embedding: batch, table and steps per epoch, in multiples of steps_per_execution (two or more executions
+# an epoch, so both workers of the job have one in flight).
+PS_EMB_BATCH, PS_EMB_DIM, PS_EMB_ROWS, PS_EMB_SMALL_ROWS = 1024, 64, 1_000_000, 10_000
+PS_EMB_EXECUTIONS, PS_EMB_KERAS_EXECUTIONS = 5, 2  # Keras' Embedding: ~0.4-0.5 s a step on a 2-core CPU.
+PS_EMB_LEARNING_RATE = 0.05
 
 MATPLOTLIB_MISSING = (
     "scripts/benchmark.py draws its chart with matplotlib, which this Python ({python}) cannot import. "
@@ -76,7 +92,8 @@ class Side:
     """One side of a row: a program, its flags, how it is launched and on which devices."""
 
     label: str
-    program: str  # "tfdist" (tfdist-train) or "keras" (scripts/keras_fit_baseline.py).
+    program: str  # "tfdist" (tfdist-train), "keras" (scripts/keras_fit_baseline.py) or "ps_embedding"
+    #               (scripts/ps_embedding.py, the ps_embedding rows).
     flags: tuple[str, ...]
     launcher: tuple[str, ...] = ()  # ("launch", "2") | ("launch_ps", "2", "1") | ("horovodrun", "2") | ().
     python: Optional[str] = None  # Default: this script's interpreter.
@@ -87,6 +104,8 @@ class Side:
         python = self.python or sys.executable
         if self.program == "keras":
             program = [python, os.path.join(REPO, "scripts", "keras_fit_baseline.py")]
+        elif self.program == "ps_embedding":
+            program = [python, os.path.join(REPO, "scripts", "ps_embedding.py"), f"--workdir={workdir}"]
         else:
             program = [python, "-m", "tfdist.cli.train", f"--workdir={workdir}"]
         return [*launcher_command(self.launcher, python), *program, *self.flags]
@@ -151,6 +170,32 @@ def _keras(label: str, *flags: str, settings: Settings, precision: Optional[str]
                                  *settings.schedule_flags(), *flags), **side)
 
 
+def _ps_embedding(label: str, layer: str, optimizer: str, *, settings: Settings, rows: int = PS_EMB_ROWS) -> Side:
+    """A side of the ps_embedding rows: scripts/ps_embedding.py under 2 workers + 2 ps tasks."""
+    spe = settings.steps_per_execution
+    steps = spe * (PS_EMB_KERAS_EXECUTIONS if layer == "keras" else PS_EMB_EXECUTIONS)
+    return Side(label, "ps_embedding", (f"--layer={layer}", f"--rows={rows}", f"--dim={PS_EMB_DIM}",
+                                        f"--optimizer={optimizer}", f"--learning_rate={PS_EMB_LEARNING_RATE:g}",
+                                        f"--batch={PS_EMB_BATCH}", f"--steps_per_epoch={steps}",
+                                        f"--epochs={settings.epochs}", f"--steps_per_execution={spe}"),
+                launcher=("launch_ps", "2", "2"))
+
+
+def _ps_embedding_rows(s: Settings) -> list[Row]:
+    table = f"{PS_EMB_ROWS:,} x {PS_EMB_DIM}"
+    rows = [Row(f"sharded_vs_keras_{opt}", "ps_embedding",
+                f"2 ps + 2 workers, {table} table, {name}: ShardedEmbedding vs keras Embedding",
+                _ps_embedding(f"ShardedEmbedding ({name})", "sharded", opt, settings=s),
+                _ps_embedding(f"keras Embedding ({name})", "keras", opt, settings=s))
+            for opt, name in (("sgd", "SGD"), ("adagrad", "Adagrad"))]
+    rows.append(Row("rows_1m_vs_10k", "ps_embedding",
+                    f"2 ps + 2 workers, ShardedEmbedding, SGD: {PS_EMB_ROWS:,} rows vs {PS_EMB_SMALL_ROWS:,} rows",
+                    _ps_embedding(f"{PS_EMB_ROWS:,} rows", "sharded", "sgd", settings=s),
+                    _ps_embedding(f"{PS_EMB_SMALL_ROWS:,} rows", "sharded", "sgd", settings=s,
+                                  rows=PS_EMB_SMALL_ROWS)))
+    return rows
+
+
 def _cpu_rows(group: str, s: Settings) -> list[Row]:
     mwms = "multi_worker_mirrored"
     hvd = {"python": s.horovod_python}
@@ -189,6 +234,7 @@ def _cpu_rows(group: str, s: Settings) -> list[Row]:
                            _tfdist("1 ps + 2 workers", settings=s, strategy="parameter_server",
                                    launcher=("launch_ps", "2", "1")),
                            _tfdist("1 worker", settings=s))],
+        "ps_embedding": lambda: _ps_embedding_rows(s),
         "horovod": lambda: [Row("horovod", "horovod", "Horovod 2 ranks vs MWMS 2 workers (same TF)",
                                 _tfdist("Horovod 2 ranks", settings=s, strategy="horovod",
                                         launcher=("horovodrun", "2"), **hvd),
@@ -377,7 +423,7 @@ def _summary(side: Side, runs: list[dict]) -> dict:
         "median": round(statistics.median(throughput), 1),
         "min": round(min(throughput), 1),
         "max": round(max(throughput), 1),
-        "eval_accuracy": [round(m["eval_accuracy"], 4) for m in runs],
+        "eval_accuracy": [None if m.get("eval_accuracy") is None else round(m["eval_accuracy"], 4) for m in runs],
         "epoch_train_seconds": [[round(s, 4) for s in m["epoch_train_seconds"]] for m in runs],
         "steps_per_epoch": runs[0]["steps_per_epoch"],
         "global_batch_size": runs[0]["global_batch_size"],
@@ -548,7 +594,8 @@ def _print_row(result: dict) -> None:
         target = f"  target >= {result['target']:.2f}: {'met' if result['target_met'] else 'NOT met'}"
     print(f"{result['row']:>12}: {a['label']} / {b['label']} = {result['ratio_a_over_b']:.3f}  "
           f"(examples/s {a['examples_per_sec']} vs {b['examples_per_sec']}; eval accuracy "
-          f"{a['eval_accuracy']} vs {b['eval_accuracy']}){target}"
+          f"{a['eval_accuracy']} vs {b['eval_accuracy']}; ms/step {result['a_step_ms']} vs {result['b_step_ms']})"
+          f"{target}"
           + (f" {result['extra']}" if "extra" in result else ""), flush=True)
 
 

@@ -85,6 +85,7 @@ def main() -> None:
                steps_per_execution=args.steps_per_execution, callbacks=[timer], verbose=0,
                export=())
     fit_seconds = time.perf_counter() - start
+    cluster = json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {})
     shards = getattr(embedding, "shards", None) or [embedding.embeddings]
     metrics = {
         "epoch_train_seconds": timer.seconds,
@@ -99,8 +100,8 @@ def main() -> None:
         "table_dim": args.dim,
         "optimizer": args.optimizer,
         "table_devices": [getattr(s, "value", s).device for s in shards],
-        "num_ps": strategy.cluster_resolver.cluster_spec().num_tasks("ps"),
-        "num_workers": strategy.cluster_resolver.cluster_spec().num_tasks("worker"),
+        "num_ps": len(cluster.get("ps", [])),
+        "num_workers": len(cluster.get("worker", [])),
         "dataset": f"random ids (1 per example) in 0..{args.rows - 1}",
         "precision": "float32",
         "tensorflow_version": tf.__version__,

@@ -28,8 +28,9 @@ def bench():
         sys.modules.pop("benchmark", None)
 
 
-CPU_ROWS = ["fit", "input", "bf16", "jit", "mwms", "allreduce", "ar_bf16", "ar_pack", "ps", "spe1", "spe2", "spe5", "spe10", "spe20",
-            "spe50"]
+CPU_ROWS = ["fit", "input", "bf16", "jit", "mwms", "allreduce", "ar_bf16", "ar_pack", "ps",
+            "sharded_vs_keras_sgd", "sharded_vs_keras_adagrad", "rows_1m_vs_10k",
+            "spe1", "spe2", "spe5", "spe10", "spe20", "spe50"]
 
 
 def test_cpu_only_machine_gets_cpu_rows_pinned_to_the_cpu(bench):
