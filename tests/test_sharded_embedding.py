@@ -251,6 +251,9 @@ def test_a_parameter_server_job_trains_each_shard_count_as_keras_and_places_rows
         np.testing.assert_allclose(got[f"{name}_dense"], dense_ref, atol=1e-6, err_msg=name)
     adagrad_ref, _, reference = keras_reference(keras.optimizers.Adagrad(0.1))
     np.testing.assert_allclose(got["adagrad_table"], adagrad_ref, atol=1e-6)
+    keras_slot = reference.optimizer._accumulators[reference.optimizer._get_variable_index(
+        reference.layers[0].embeddings)]
+    np.testing.assert_allclose(got["adagrad_slots"], np.asarray(keras_slot), atol=1e-5)
     # Placement: by default one shard per ps task, each with its share of the rows and its optimizer slot.
     assert list(got["adagrad_rows"]) == [25, 25]
     tasks = [d.split("/device:")[0] for d in got["adagrad_devices"]]
@@ -302,3 +305,53 @@ def test_two_mirrored_replicas_train_as_one_device(optimizer, mode):
     tfdist.fit(two, ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, strategy=mirrored)
     np.testing.assert_allclose(two.layers[0].table(), one.layers[0].table(), atol=1e-5)
     assert np.abs(one.layers[0].table() - table).max() > 1e-3
+
+
+def test_a_resume_on_two_mirrored_replicas_restores_every_replica_of_the_table(tmp_path):
+    ids, y, table = data()
+    workdir = str(tmp_path / "run")
+    mirrored = tfdist.make_strategy("mirrored", num_cpu_replicas=2, all_reduce="reduce_to_one", precision="float32")
+    from tfdist.distribute.strategies import backend_of
+
+    def run(stop):
+        with mirrored.scope():
+            model = build(ShardedEmbedding(ROWS, DIM, weights=[table], num_shards=2, sparse_updates="lazy"),
+                          keras.optimizers.Adam(0.01))
+        snapshot = Snapshot(stop)
+        tfdist.fit(model, ids, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, strategy=mirrored,
+                   workdir=workdir, callbacks=[snapshot])
+        return model
+
+    run(stop=True)
+    model = run(stop=False)
+    backend = backend_of(mirrored)
+    opt = model.optimizer
+    for shard in model.layers[0].shards:
+        for variable in (shard, opt._momentums[opt._get_variable_index(shard)]):
+            first, second = backend.local_replica_values(variable)
+            np.testing.assert_array_equal(first, second)
+    straight = build(ShardedEmbedding(ROWS, DIM, weights=[table], num_shards=2, sparse_updates="lazy"),
+                     keras.optimizers.Adam(0.01))
+    tfdist.fit(straight, ids, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, strategy=strategy())
+    np.testing.assert_allclose(model.layers[0].table(), straight.layers[0].table(), atol=1e-5)
+
+
+def test_lazy_updates_with_a_custom_train_step_are_refused():
+    from tests import custom_models  # noqa: F401  (the custom-step helpers live there)
+
+    class OwnStep(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            return {"loss": loss}
+
+    ids, y, _ = data()
+    keras.utils.set_random_seed(1)
+    model = OwnStep([keras.Input((3,), dtype="int32"), ShardedEmbedding(ROWS, DIM, sparse_updates="lazy", name="own"),
+                     keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    with pytest.raises(UserError, match="ShardedEmbedding 'own': sparse_updates='lazy' applies to tfdist's own "
+                                        "training step"):
+        tfdist.fit(model, ids, y, batch_size=BATCH, verbose=0, strategy=strategy())

@@ -133,6 +133,8 @@ def wait_until_closed(addresses: Sequence[str], timeout_s: float, poll_s: float 
                     still.append(address)
             except ConnectionRefusedError:
                 pass  # Nothing listens there any more: that task has exited.
+            except ValueError:
+                pass  # Not a host:port address: nothing to wait for.
             except OSError:
                 still.append(address)  # Unreachable or slow: keep asking until the deadline.
         waiting = still

@@ -67,6 +67,16 @@ def check(model: keras.Model) -> None:
     tables = sharded_tables(model)
     if not tables or getattr(model, "optimizer", None) is None:
         return
+    from tfdist.training.custom_steps import overrides
+
+    if overrides(model, "train_step"):
+        lazy = [table.name for table in tables if table.sparse_updates == "lazy"]
+        if lazy:
+            raise UserError(
+                f"ShardedEmbedding {', '.join(map(repr, lazy))}: sparse_updates='lazy' applies to tfdist's own "
+                "training step; this model's custom train_step applies Keras' own (dense) update to the table. Use "
+                "sparse_updates='exact', or train without the train_step override.")
+        return
     optimizer = keras_hooks.optimizers(model.optimizer)[-1]
     for table in tables:
         rule = _rule(optimizer, table.sparse_updates)
@@ -122,6 +132,7 @@ def _slot(optimizer: Any, name: str, variable: Any) -> Any:
 
 
 def _apply(optimizer: Any, rule: str, gradient: tf.IndexedSlices, variable: Any, learning_rate: Any) -> None:
+    """One shard's update by `rule` (`_rule`), in the optimizer's update context (colocated with the shard)."""
     dtype = variable.dtype
     lr = tf.cast(learning_rate, dtype)
     if rule == "sgd":
@@ -138,8 +149,9 @@ def _apply(optimizer: Any, rule: str, gradient: tf.IndexedSlices, variable: Any,
         return
     rows, values = _rows(gradient, dtype)
 
-    def scatter(target: Any, new_rows: tf.Tensor) -> None:
-        optimizer.assign(target, tf.IndexedSlices(new_rows, rows, gradient.dense_shape))
+    def scatter(target: Any, new_rows: tf.Tensor, old_rows: tf.Tensor) -> None:
+        # An increment, not an overwrite: parameter-server workers updating one row at once lose nothing.
+        optimizer.assign_add(target, tf.IndexedSlices(new_rows - old_rows, rows, gradient.dense_shape))
 
     def gather(target: Any) -> tf.Tensor:
         return tf.gather(keras_hooks._tf_variable(target), rows)
@@ -147,8 +159,9 @@ def _apply(optimizer: Any, rule: str, gradient: tf.IndexedSlices, variable: Any,
     if rule == "momentum":
         momentum = tf.cast(optimizer.momentum, dtype)
         m = _slot(optimizer, "momentums", variable)
-        new_m = gather(m) * momentum - values * lr
-        scatter(m, new_m)
+        old_m = gather(m)
+        new_m = old_m * momentum - values * lr
+        scatter(m, new_m, old_m)
         step = new_m * momentum - values * lr if optimizer.nesterov else new_m
         optimizer.assign_add(variable, tf.IndexedSlices(step, rows, gradient.dense_shape))
         return
@@ -157,15 +170,17 @@ def _apply(optimizer: Any, rule: str, gradient: tf.IndexedSlices, variable: Any,
     beta_1, beta_2 = tf.cast(optimizer.beta_1, dtype), tf.cast(optimizer.beta_2, dtype)
     alpha = lr * tf.sqrt(1 - tf.pow(beta_2, t)) / (1 - tf.pow(beta_1, t))
     m, v = _slot(optimizer, "_momentums", variable), _slot(optimizer, "_velocities", variable)
-    new_m = gather(m) + (values - gather(m)) * (1 - beta_1)
-    new_v = gather(v) + (tf.square(values) - gather(v)) * (1 - beta_2)
-    scatter(m, new_m)
-    scatter(v, new_v)
+    old_m, old_v = gather(m), gather(v)
+    new_m = old_m + (values - old_m) * (1 - beta_1)
+    new_v = old_v + (tf.square(values) - old_v) * (1 - beta_2)
+    scatter(m, new_m, old_m)
+    scatter(v, new_v, old_v)
     step = new_m * alpha / (tf.sqrt(new_v) + tf.cast(optimizer.epsilon, dtype))
     optimizer.assign_sub(variable, tf.IndexedSlices(step, rows, gradient.dense_shape))
 
 
 def _sparse_update_step(optimizer: Any, shards: dict) -> Callable:
+    """The replacement of ``optimizer.update_step``: a row-sparse rule for shards, Keras' own otherwise."""
     def make(before: Any, key: tuple) -> Callable:
         keras_own = type(optimizer).update_step.__get__(optimizer) if before is keras_hooks._MISSING else before
 

@@ -346,6 +346,7 @@ class StepFunctions:
             eval_example is not None else \
             (MetricLayout(model) if self.custom_train else self.layout)
         self._updated: dict[int, Any] = {}  # State the traced forward passes write (ids), for `synced`.
+        self._all_shards = {id(shard) for table in sharded_tables(model) for shard in table.shards}
         self._shards = {id(shard) for table in sharded_tables(model) for shard in table.shards
                         if table.embeddings_regularizer is None}
         self.jit_compile = jit_compile
@@ -426,7 +427,9 @@ class StepFunctions:
         model = self.model
         variables = model.trainable_variables
         # The forward pass records what state it updates (written back below).
-        mapping = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables]
+        # (A frozen ShardedEmbedding table is never written by the forward pass: not read whole here.)
+        mapping = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables
+                   if id(v) not in self._all_shards]
         before = {id(v): value for v, value in mapping}
         size = _batch_size(x)
         # This part's fraction of the global batch (without `total` all parts hold as many examples).

@@ -188,7 +188,9 @@ def sharded_checkpoint_views(model: Any) -> tuple[Any, Any]:
     """
     from tfdist.layers.sharded_embedding import sharded_tables
 
-    tables = sharded_tables(model)
+    from tfdist.training.keras_hooks import optimizers as keras_optimizers
+
+    tables = [table for table in sharded_tables(model) if table.shards]  # An unbuilt layer holds nothing yet.
     shard_of = {id(shard): (j, k) for j, table in enumerate(tables) for k, shard in enumerate(table.shards)}
     model_children, seen = {}, set()
     for variable in model.variables:
@@ -199,25 +201,63 @@ def sharded_checkpoint_views(model: Any) -> tuple[Any, Any]:
     for j, table in enumerate(tables):
         model_children[f"tables/{j}"] = _table(table.shards, f"{table.name}/embeddings")
     optimizer = model.optimizer
-    references = [v for v in model.trainable_variables]
+    # What the optimizer was built for (a table frozen since keeps its slots).
+    inner = keras_optimizers(optimizer)[-1]
+    references = list(getattr(inner, "_trainable_variables", None) or model.trainable_variables)
     plain = [v for v in references if id(v) not in shard_of]
     position = {id(v): i for i, v in enumerate(plain)}
     children: dict = {}
     table_slots: dict = {}
     others = 0
+
+    def add(key: str, variable: Any) -> None:
+        if key in children:
+            raise UserError(f"tfdist cannot checkpoint this model's optimizer: two of its variables map to {key!r} "
+                            "(layers whose variable paths coincide once '/' is read as '_'). Rename a layer.")
+        children[key] = variable
+
     for variable in optimizer.variables:
         owner = _slot_owner(variable, references)
         if owner is None:
-            children[f"other/{others}"] = variable
+            add(f"other/{others}", variable)
             others += 1
         elif id(references[owner[0]]) in shard_of:
             j, k = shard_of[id(references[owner[0]])]
-            table_slots.setdefault((j, owner[1]), {})[k] = variable
+            parts = table_slots.setdefault((j, owner[1]), {})
+            if k in parts:
+                raise UserError(f"tfdist cannot checkpoint ShardedEmbedding {tables[j].name!r}: two optimizer "
+                                f"variables name its shard {k}'s slot {owner[1]!r}. Rename a layer.")
+            parts[k] = variable
         else:
-            children[f"slots/{position[id(references[owner[0]])]}/{owner[1]}"] = variable
+            add(f"slots/{position[id(references[owner[0]])]}/{owner[1]}", variable)
     for (j, name), parts in sorted(table_slots.items()):
-        children[f"table_slots/{j}/{name}"] = _table([parts[k] for k in sorted(parts)], f"{tables[j].name}/{name}")
+        if sorted(parts) != list(range(len(tables[j].shards))):
+            raise UserError(f"tfdist cannot checkpoint ShardedEmbedding {tables[j].name!r}: its optimizer slot "
+                            f"{name!r} exists for shards {sorted(parts)} of {len(tables[j].shards)}.")
+        add(f"table_slots/{j}/{name}", _table([parts[k] for k in sorted(parts)], f"{tables[j].name}/{name}"))
     return _Named(model_children), _Named(children)
+
+
+def sync_table_replicas(model: Any) -> None:
+    """After a restore: every local replica of a mirrored table (and its slots) holds the restored value.
+
+    A table is restored through one sliced variable per table and slot, which
+    writes the first replica's copy only; the value is then assigned to all.
+    """
+    from tfdist.distribute.backend import tf_variable
+    from tfdist.layers.sharded_embedding import sharded_tables
+    from tfdist.training.keras_hooks import optimizers as keras_optimizers
+
+    shards = {id(shard) for table in sharded_tables(model) for shard in table.shards}
+    inner = keras_optimizers(model.optimizer)[-1]
+    references = list(getattr(inner, "_trainable_variables", None) or model.trainable_variables)
+    names = tuple(r.path.replace("/", "_") + "_" for r in references if id(r) in shards)
+    variables = [v for table in sharded_tables(model) for v in table.shards]
+    variables += [v for v in model.optimizer.variables if names and v.name.startswith(names)]
+    for variable in variables:
+        value = tf_variable(variable)
+        if len(getattr(value, "values", ())) > 1:  # A MirroredVariable with several local copies.
+            value.assign(value.read_value())
 
 
 def training_checkpoint(model: Any, step: tf.Variable) -> tf.train.Checkpoint:
