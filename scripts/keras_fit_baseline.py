@@ -34,6 +34,7 @@ class EpochTimer(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.seconds.append(time.perf_counter() - self.start)
+        self.last_loss = (logs or {}).get("loss")
 
 
 def main() -> None:

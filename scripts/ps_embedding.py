@@ -32,18 +32,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
-
-
-class EpochTimer(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self.start)
-        self.last_loss = (logs or {}).get("loss")
+from keras_fit_baseline import EpochTimer  # noqa: E402  (scripts/ is on sys.path: run as a file)
 
 
 def main() -> None:

@@ -337,8 +337,6 @@ def test_a_resume_on_two_mirrored_replicas_restores_every_replica_of_the_table(t
 
 
 def test_lazy_updates_with_a_custom_train_step_are_refused():
-    from tests import custom_models  # noqa: F401  (the custom-step helpers live there)
-
     class OwnStep(keras.Sequential):
         def train_step(self, data):
             x, y = data

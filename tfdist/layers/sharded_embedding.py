@@ -191,10 +191,6 @@ class ShardedEmbedding(keras.layers.Layer):
     def compute_output_shape(self, input_shape: Sequence[Any]) -> tuple:
         return (*input_shape, self.output_dim)
 
-    def compute_output_spec(self, inputs: Any) -> Any:
-        shape = (*inputs.shape, self.output_dim)
-        return keras.KerasTensor(shape, dtype=self.compute_dtype, sparse=False)
-
     # Saving ------------------------------------------------------------------
     def save_own_variables(self, store: Any) -> None:
         """The whole table as one array (`model.keras`): it loads into a layer of any shard count."""

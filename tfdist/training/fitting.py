@@ -544,7 +544,7 @@ def fit(
                         f"({' '.join(str(e).split())[:200]}). Was the model changed? Use a new workdir, or the "
                         "model the checkpoint was written by.") from None
                 with backend.scope():
-                    workdir_lib.sync_table_replicas(model)
+                    workdir_lib.sync_table_replicas(checkpoint)
                 start_step = int(step_counter.numpy())
                 logging.info("Resuming from checkpoint %s at step %d.", latest, start_step)
             manager = tf.train.CheckpointManager(checkpoint, rundir.checkpoint_dir, max_to_keep=keep_checkpoints,

@@ -238,26 +238,20 @@ def sharded_checkpoint_views(model: Any) -> tuple[Any, Any]:
     return _Named(model_children), _Named(children)
 
 
-def sync_table_replicas(model: Any) -> None:
+def sync_table_replicas(checkpoint: tf.train.Checkpoint) -> None:
     """After a restore: every local replica of a mirrored table (and its slots) holds the restored value.
 
-    A table is restored through one sliced variable per table and slot, which
-    writes the first replica's copy only; the value is then assigned to all.
+    The sliced variables of `sharded_checkpoint_views` restore the first replica's copy only; the value
+    is then assigned to all. A checkpoint without such views has nothing to do.
     """
-    from tfdist.distribute.backend import tf_variable
-    from tfdist.layers.sharded_embedding import sharded_tables
-    from tfdist.training.keras_hooks import optimizers as keras_optimizers
+    from tensorflow.python.distribute import sharded_variable
 
-    shards = {id(shard) for table in sharded_tables(model) for shard in table.shards}
-    inner = keras_optimizers(model.optimizer)[-1]
-    references = list(getattr(inner, "_trainable_variables", None) or model.trainable_variables)
-    names = tuple(r.path.replace("/", "_") + "_" for r in references if id(r) in shards)
-    variables = [v for table in sharded_tables(model) for v in table.shards]
-    variables += [v for v in model.optimizer.variables if names and v.name.startswith(names)]
-    for variable in variables:
-        value = tf_variable(variable)
-        if len(getattr(value, "values", ())) > 1:  # A MirroredVariable with several local copies.
-            value.assign(value.read_value())
+    for node in (checkpoint.model, checkpoint.optimizer):
+        for child in getattr(node, "_named", {}).values():
+            if isinstance(child, sharded_variable.ShardedVariable):
+                for part in child.variables:
+                    if len(getattr(part, "values", ())) > 1:  # A MirroredVariable with several local copies.
+                        part.assign(part.read_value())
 
 
 def training_checkpoint(model: Any, step: tf.Variable) -> tf.train.Checkpoint:
