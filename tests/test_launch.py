@@ -5,6 +5,7 @@ launcher; failures (a killed worker, SIGTERM to the launcher, a task that
 exits with an error) are provoked for real and their outcome checked.
 """
 
+import io
 import json
 import os
 import re
@@ -356,3 +357,42 @@ def test_max_restarts_gives_up_after_the_second_failure(tmp_path):
     assert code != 0, job.output[-4000:]
     assert "tfdist-launch: the job failed again after 1 restart(s); giving up (--max_restarts=1)." in job.output
     assert "restart 2" not in job.output
+
+
+# Each task of a chief-led job plays a part, read from its TF_CONFIG: worker:0 fails while the chief
+# trains, worker:1 ignores SIGTERM (the launcher must stop it), ps:0 fails once the chief has gone.
+_PARTS = r"""
+import json, os, signal, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+label = f"{task['type']}:{task['index']}"
+if label == "chief:0":
+    time.sleep(1.5)
+elif label == "worker:0":
+    sys.exit(3)
+elif label == "worker:1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
+else:
+    time.sleep(2.5)
+    sys.exit(4)
+"""
+
+
+def test_chief_led_closing_line_tells_lost_workers_from_late_failures_and_stragglers():
+    out = io.StringIO()
+    launcher = launch.Launcher([sys.executable, "-c", _PARTS], launch.ClusterLayout(num_workers=2, num_ps=1, chief=True),
+                               grace_s=3.0, out=out)
+    assert launcher.run() == 0, out.getvalue()
+    line = out.getvalue().splitlines()[-1]
+    assert line == ("tfdist-launch: the chief finished; job done (lost along the way: worker:0; after the chief "
+                    "finished, ps:0 exited with status 4; stopped worker:1, still running 3 s after the chief "
+                    "finished)."), out.getvalue()
+
+
+def test_chief_led_closing_line_is_plain_when_every_task_leaves_cleanly():
+    out = io.StringIO()
+    quiet = "import time; time.sleep(0.5)"
+    launcher = launch.Launcher([sys.executable, "-c", quiet], launch.ClusterLayout(num_workers=2, num_ps=1, chief=True),
+                               grace_s=5.0, out=out)
+    assert launcher.run() == 0, out.getvalue()
+    assert out.getvalue().splitlines()[-1] == "tfdist-launch: the chief finished; job done.", out.getvalue()

@@ -338,6 +338,21 @@ def current_backend() -> Backend:
     return backend
 
 
+def _exit_served_task() -> None:
+    """Ends a task that only served: atexit handlers (logging's flush among them), streams, then os._exit(0)."""
+    import atexit
+    import os
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
+
+
 def make_strategy(name: str = "auto", **options: object) -> object:
     """Builds the named strategy; returns the tf.distribute.Strategy (or tfdist's Horovod wrapper).
 
@@ -345,9 +360,10 @@ def make_strategy(name: str = "auto", **options: object) -> object:
     precision="auto", ...). Keras' global dtype policy is left as it is unless `precision` is given: a
     policy name sets it, "auto" chooses one for the device (tfdist.precision), before the model is built. On a
     parameter-server job's worker and ps tasks this serves until the chief has finished and then ends
-    the process with status 0, so one script runs unchanged on every task.
+    the process with status 0, so one script runs unchanged on every task: the process's exit handlers
+    run, then it leaves without the interpreter's teardown of a live gRPC server (which TensorFlow cannot
+    stop, and which can stall or abort a finished task).
     """
-    import sys
 
     from tfdist import precision as precision_lib
 
@@ -361,7 +377,7 @@ def make_strategy(name: str = "auto", **options: object) -> object:
     if backend.serve():
         backend.shutdown()
         logging.info("[%s] served until the chief finished; exiting.", backend.task_label)
-        sys.exit(0)
+        _exit_served_task()
     choice = precision_lib.choose(config.precision, device_kind=backend.device_kind,
                                   gpu_compute_capability=backend.gpu_compute_capability)
     if config.precision is not None:  # None: the user's policy stays, untouched.

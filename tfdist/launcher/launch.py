@@ -401,12 +401,32 @@ class Launcher:
             time.sleep(0.1)
         # The chief has finished: the others leave on their own within seconds.
         self._wait_all(self.grace_s)
+        stragglers = [t.label for t in self.tasks if t.process.poll() is None]
         self._stop_all()
         if chief.process.returncode != 0:
             return self._report(chief, "")
-        lost = [t.label for t in self.tasks if t.role == "worker" and t.process.returncode not in (0, None)]
-        self._print(f"tfdist-launch: the chief finished; job done{' (lost along the way: ' + ', '.join(lost) + ')' if lost else ''}.\n")
+        self._print(f"tfdist-launch: the chief finished; job done{self._aftermath(reported, stragglers)}.\n")
         return 0
+
+    def _aftermath(self, reported: set[int], stragglers: list[str]) -> str:
+        """What the other tasks did, for the closing line: "" when every one left cleanly after the chief.
+
+        "Lost along the way" are the workers that ended with an error while the chief trained (and were
+        not restarted); a task that failed or had to be stopped only after the chief finished is named
+        apart, since the training itself did not miss it.
+        """
+        lost = [t.label for t in self.tasks if id(t) in reported and t.role == "worker" and t.process.returncode != 0]
+        late = [f"{t.label} {t.describe()}" for t in self.tasks
+                if t.role != "chief" and id(t) not in reported and t.label not in stragglers
+                and t.process.returncode != 0]
+        notes = []
+        if lost:
+            notes.append("lost along the way: " + ", ".join(lost))
+        if late:
+            notes.append("after the chief finished, " + ", ".join(late))
+        if stragglers:
+            notes.append(f"stopped {', '.join(stragglers)}, still running {self.grace_s:g} s after the chief finished")
+        return f" ({'; '.join(notes)})" if notes else ""
 
     def run(self) -> int:
         """Starts the job, supervises it, relaunches it after a failure up to `max_restarts` times."""
