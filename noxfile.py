@@ -6,7 +6,9 @@ Sessions:
   tests-tf2.21          TensorFlow 2.21 (the primary target), Keras 3.
   tests-tf2.18-horovod  TensorFlow 2.18 + horovod 0.28.1 built from source with
                         Gloo (the newest TensorFlow horovod still builds against);
-                        the Horovod tests run here for real.
+                        the Horovod tests run here for real; the tests marked
+                        `jobs` (launcher, parameter-server and SSH jobs) run only
+                        in tests-tf2.21.
 Pass pytest arguments after --, e.g. `python3 -m nox -s tests-tf2.21 -- -k cluster`.
 
 Both sessions first make sure an OpenSSH server is installed for the SSH tests
@@ -66,4 +68,6 @@ def tests_tf218_horovod(session: nox.Session) -> None:
     session.install("setuptools>=65,<81", "wheel")  # horovod builds with the machine's cmake and g++.
     session.install("--no-build-isolation", "horovod==0.28.1", env=HOROVOD_BUILD_ENV)
     session.run("python", "-c", "import horovod.tensorflow as h; assert h.gloo_built(), 'horovod built without Gloo'")
-    session.run(*PYTEST, *session.posargs, env={"TFDIST_REQUIRE_HOROVOD": "1"})
+    # The real multi-process jobs (marker `jobs`: tfdist-launch, parameter servers, SSH) run in tests-tf2.21;
+    # here the rest run, Horovod's for real, which keeps CI within its time on 2-core machines.
+    session.run(*PYTEST, "-m", "not jobs", *session.posargs, env={"TFDIST_REQUIRE_HOROVOD": "1"})

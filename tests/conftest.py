@@ -82,3 +82,10 @@ def run_train(args: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
 
 def load_weights(path: str) -> list[np.ndarray]:
     return [np.asarray(w) for w in keras.models.load_model(path, compile=False).get_weights()]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "jobs: a real multi-process job (tfdist-launch, parameter servers, SSH). The tests-tf2.21 nox "
+                   "session runs them; tests-tf2.18-horovod deselects them (-m 'not jobs') and runs the rest, "
+                   "Horovod included, to keep CI short.")

@@ -23,6 +23,8 @@ from tests.conftest import REPO, subprocess_env
 EPOCHS = {"gan": 1, "vae": 2, "text_classification": 3, "recommender": 2, "transformer": 2}
 LAUNCHES = {"two-replicas": ((), ("--strategy=mirrored", "--num_cpu_replicas=2")),
             "two-workers": (("--num_workers=2",), ())}
+# The two-worker launches are real multi-process jobs: the TF 2.21 lane runs them (tests/conftest.py).
+HOWS = [pytest.param("two-replicas"), pytest.param("two-workers", marks=pytest.mark.jobs)]
 
 
 def load_example(name):
@@ -89,13 +91,13 @@ def keras_transformer():
     return keras_fit("transformer", fit)
 
 
-@pytest.mark.parametrize("how", LAUNCHES)
+@pytest.mark.parametrize("how", HOWS)
 def test_gan_with_its_own_train_step_and_two_optimizers(how):
     summary, *_ = run_example("gan", how)
     assert all(math.isfinite(float(summary[k])) and float(summary[k]) > 0 for k in ("d_loss", "g_loss")), summary
 
 
-@pytest.mark.parametrize("how", LAUNCHES)
+@pytest.mark.parametrize("how", HOWS)
 def test_vae_with_its_own_train_step_and_trackers(how, keras_vae):
     summary, *_ = run_example("vae", how)
     # The losses are sums over 784 pixels (about 300 after 2 epochs): within 3% of Keras' own.
@@ -104,21 +106,21 @@ def test_vae_with_its_own_train_step_and_trackers(how, keras_vae):
     assert abs(float(summary["kl_loss"]) - keras_vae["kl_loss"]) <= 0.5, (summary, keras_vae)
 
 
-@pytest.mark.parametrize("how", LAUNCHES)
+@pytest.mark.parametrize("how", HOWS)
 def test_text_classifier_with_text_vectorization_and_masking(how, keras_text):
     summary, *_ = run_example("text_classification", how)
     assert abs(float(summary["val_accuracy"]) - keras_text["val_accuracy"]) <= 0.03, (summary, keras_text)
     assert abs(float(summary["loss"]) - keras_text["loss"]) <= 0.05, (summary, keras_text)
 
 
-@pytest.mark.parametrize("how", LAUNCHES)
+@pytest.mark.parametrize("how", HOWS)
 def test_recommender_with_large_embeddings(how, keras_recommender):
     summary, *_ = run_example("recommender", how)
     assert abs(float(summary["val_loss"]) - keras_recommender["val_loss"]) <= 0.01, (summary, keras_recommender)
     assert abs(float(summary["loss"]) - keras_recommender["loss"]) <= 0.01, (summary, keras_recommender)
 
 
-@pytest.mark.parametrize("how", LAUNCHES)
+@pytest.mark.parametrize("how", HOWS)
 def test_transformer_block_classifier(how, keras_transformer):
     summary, *_ = run_example("transformer", how)
     assert abs(float(summary["val_accuracy"]) - keras_transformer["val_accuracy"]) <= 0.05, \

@@ -13,7 +13,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import REPO, subprocess_env
+
+pytestmark = pytest.mark.jobs  # Real multi-process jobs: the TF 2.21 lane runs them (tests/conftest.py).
 
 EXAMPLE = [sys.executable, "examples/sharded_recommender.py"]
 PS_LAUNCH = [sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2", "--num_ps=2", "--"]

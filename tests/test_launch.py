@@ -22,6 +22,8 @@ from tfdist.distribute import cluster
 from tfdist.launcher import launch
 from tfdist.errors import UserError
 
+pytestmark = pytest.mark.jobs  # Real multi-process jobs: the TF 2.21 lane runs them (tests/conftest.py).
+
 TRAIN = [sys.executable, "-m", "tfdist.cli.train"]
 
 

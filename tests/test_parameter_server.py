@@ -20,6 +20,8 @@ from tests.test_launch import Job, alive, latest_checkpoint_step
 from tfdist.distribute import cluster, parameter_server
 from tfdist.errors import UserError
 
+pytestmark = pytest.mark.jobs  # Real multi-process jobs: the TF 2.21 lane runs them (tests/conftest.py).
+
 
 def info(value):
     return cluster.parse_tf_config(json.dumps(value))

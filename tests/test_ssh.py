@@ -22,6 +22,8 @@ from tests.conftest import REPO, free_port, subprocess_env
 from tests.test_launch import Job, alive, fingerprints
 from tfdist.launcher import ssh
 
+pytestmark = pytest.mark.jobs  # Real multi-process jobs: the TF 2.21 lane runs them (tests/conftest.py).
+
 REASON = sshd_setup.skip_reason()
 needs_sshd = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 HOSTS = "--hosts=127.0.0.2:1,127.0.0.3:1"
