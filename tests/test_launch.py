@@ -180,6 +180,17 @@ def test_hostfile(tmp_path):
     (["--print_tfjob", "--num_workers=2", "--", "tfdist-train"], "--print_tfjob needs --image=IMAGE"),
     (["--env=1X=2", "--", "true"], "is not a variable name"),
     (["--hosts=a", "--network=isolated", "--", "true"], "--network=isolated cannot be used with --hosts"),
+    (["--num_workers=3", "--min_workers=4", "--max_restarts=1", "--", "true"],
+     "--min_workers=4 must be from 1 to --num_workers=3"),
+    (["--min_workers=0", "--max_restarts=1", "--", "true"], "--min_workers=0 must be from 1 to --num_workers=2"),
+    (["--num_ps=1", "--min_workers=1", "--max_restarts=1", "--", "true"], "--min_workers is for synchronous jobs"),
+    (["--num_workers=3", "--min_workers=2", "--", "true"], "--max_restarts=0 allows no relaunch"),
+    (["--num_workers=3", "--min_workers=2", "--max_restarts=1", "--", "tfdist-train", "--workdir=w",
+      "--global_batch_size=64"], "--global_batch_size=64 does not divide by 3 worker(s), which --min_workers=2 and "
+                                 "--num_workers=3 let the job shrink to; the global batch stays fixed when the job "
+                                 "shrinks, so every count must divide it. Use a multiple of 6"),
+    (["--blacklist_after=2", "--", "true"], "--blacklist_after applies to elastic jobs only"),
+    (["--min_workers=1", "--max_restarts=1", "--blacklist_after=0", "--", "true"], "--blacklist_after=0 must be 1"),
 ])
 def test_launcher_bad_input(args, expected):
     result = run_module("tfdist.cli.launch", args, timeout=60)
@@ -242,8 +253,8 @@ def test_two_workers_train_to_the_same_weights(tmp_path):
         assert re.search(rf"^\[worker:{i}\] .*Input pipeline {i} of 2: replicas {i}-{i} of 2, per-replica batch 64, "
                          r"global batch 128, order seeded by 0 \(the same on every topology\)", job.output, re.M)
     # Only the chief wrote into the workdir; the other worker's private saves are gone.
-    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "metrics.json", "model.keras",
-                                           "plan.json", "tensorboard"]
+    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "membership.json", "metrics.json",
+                                           "model.keras", "plan.json", "tensorboard"]
     assert not [p for p in os.listdir(job.scratch) if p.startswith("tfdist-worker-ckpt-")]
 
 

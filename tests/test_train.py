@@ -42,8 +42,8 @@ def test_defaults_reach_accuracy_and_fill_the_workdir(tmp_path):
     assert_evaluated(metrics, 2000)
     assert (metrics["num_replicas"], metrics["num_workers"], metrics["steps"]) == (1, 1, 5 * 62)
     workdir = tmp_path / "run"
-    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "metrics.json",
-                                           "model.keras", "plan.json", "tensorboard"]
+    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "flags.txt", "membership.json",
+                                           "metrics.json", "model.keras", "plan.json", "tensorboard"]
     saved = json.loads((workdir / "metrics.json").read_text())
     for key in ("strategy", "num_replicas", "num_workers", "precision", "global_batch_size", "steps", "epochs",
                 "eval_accuracy", "eval_loss", "train_examples_per_sec", "wall_seconds", "weights_fingerprint"):

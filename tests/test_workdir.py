@@ -181,14 +181,15 @@ def test_full_disk_stops_the_run_cleanly_and_the_copy_resumes(tmp_path):
     # Nothing of the failed save, and no export or metrics, is left for a resume to pick up.
     assert sorted(os.listdir(copy / "checkpoints")) == ["checkpoint", "ckpt-10.data-00000-of-00001", "ckpt-10.index"]
     assert tf.train.latest_checkpoint(str(copy / "checkpoints")).endswith("ckpt-10")
-    assert sorted(p for p in os.listdir(copy) if not os.path.isdir(copy / p)) == ["config.json", "flags.txt", "plan.json"]
+    assert sorted(p for p in os.listdir(copy) if not os.path.isdir(copy / p)) == [
+        "config.json", "flags.txt", "membership.json", "plan.json"]
     resumed = run_train([f"--workdir={copy}", *FULL_DISK], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resuming from checkpoint" in resumed.stderr and "ckpt-10 at step 10." in resumed.stderr
     metrics = json.loads((copy / "metrics.json").read_text())
     assert (metrics["resumed_from_step"], metrics["steps"]) == (10, 60)
-    assert sorted(os.listdir(copy)) == ["checkpoints", "config.json", "flags.txt", "metrics.json", "model.keras",
-                                        "plan.json", "tensorboard"]
+    assert sorted(os.listdir(copy)) == ["checkpoints", "config.json", "flags.txt", "membership.json", "metrics.json",
+                                        "model.keras", "plan.json", "tensorboard"]
 
 
 def test_a_failed_summary_write_in_the_loop_becomes_a_write_error(tmp_path):

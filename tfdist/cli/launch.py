@@ -3,6 +3,7 @@
   tfdist-launch --num_workers=2 -- tfdist-train --strategy=multi_worker_mirrored --workdir=W
   tfdist-launch --hosts=node1,node2 -- tfdist-train --strategy=multi_worker_mirrored --workdir=/shared/W
   tfdist-launch --hostfile=hosts.txt --max_restarts=3 -- tfdist-train --workdir=/shared/W
+  tfdist-launch --num_workers=4 --min_workers=2 --max_restarts=3 -- tfdist-train --workdir=/shared/W
   tfdist-launch --print_tf_config --hosts=node1,node2 --port=2222
   tfdist-launch --print_tfjob --image=IMAGE --num_workers=2 -- tfdist-train --workdir=/shared/runs/mw
 
@@ -12,7 +13,8 @@ each host) or --hostfile (lines 'HOST slots=N'), each task starts on its host
 through ssh, on a port checked free there. Output lines are prefixed with the
 task's role and index; SIGINT/SIGTERM are forwarded; when one task fails the
 others are stopped and the launcher exits with the failing task's status and
-shows its last lines, or, with --max_restarts=N, relaunches the whole job.
+shows its last lines, or, with --max_restarts=N, relaunches the whole job --
+with --min_workers=M too, on the workers left after dropping the failed one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import sys
 from typing import Optional
 
+from tfdist.launcher import elastic
 from tfdist.launcher import hosts as hosts_lib
 from tfdist.cli import common
 from tfdist.errors import UserError
@@ -70,6 +73,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max_restarts", type=int, default=0,
                         help="When the job fails, stop it and relaunch all of it, with the same command, up to N "
                              "times (tfdist-train resumes from its --workdir). 0: no restarts.")
+    parser.add_argument("--min_workers", type=int, default=None,
+                        help="Elastic: when a worker fails, relaunch on the workers left (dropping a slot, or with "
+                             "--hosts its host, after --blacklist_after failures) while at least this many remain; "
+                             "--num_workers is the most. Each relaunch uses one of --max_restarts.")
+    parser.add_argument("--blacklist_after", type=int, default=1,
+                        help="Elastic: failures of one worker slot (with --hosts: one host) before it is dropped "
+                             "(default 1).")
     parser.add_argument("--restart_backoff_s", type=float, default=10.0,
                         help="Seconds to wait before each relaunch (default 10).")
     parser.add_argument("--grace_s", type=float, default=15.0,
@@ -124,6 +134,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--restart_workers={args.restart_workers} must be 0 or more.")
     if args.max_restarts < 0:
         raise UserError(f"--max_restarts={args.max_restarts} must be 0 or more (0: no restarts).")
+    elastic.validate(layout.num_workers, args.min_workers, num_ps=args.num_ps, max_restarts=args.max_restarts,
+                     blacklist_after=args.blacklist_after)
     if args.restart_backoff_s < 0:
         raise UserError(f"--restart_backoff_s={args.restart_backoff_s} must be 0 or more.")
     if args.port is not None and not 0 <= args.port <= 65535:
@@ -157,6 +169,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--max_restarts={args.max_restarts} relaunches the same command, and tfdist-train without "
                         "--workdir starts a new run directory each time, so a relaunch would start over; give "
                         "tfdist-train --workdir=DIR (a shared path across hosts).")
+    if args.min_workers is not None:
+        elastic.check_global_batch(command, layout.num_workers, args.min_workers)
     if hosts is not None:
         if args.network == "isolated":
             raise UserError("--network=isolated cannot be used with --hosts/--hostfile: the tasks run on other "
@@ -167,7 +181,8 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--ssh_identity={args.ssh_identity!r} does not exist; give the private key file.")
         return Launcher(command, layout, grace_s=args.grace_s, restart_workers=args.restart_workers, task_env=env,
                         hosts=hosts, ssh=ssh, base_port=args.port or 0, max_restarts=args.max_restarts,
-                        restart_backoff_s=args.restart_backoff_s).run()
+                        restart_backoff_s=args.restart_backoff_s, min_workers=args.min_workers,
+                        blacklist_after=args.blacklist_after).run()
     if args.network != "host":
         try:
             isolate_network()
@@ -180,7 +195,8 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr, flush=True)
     return Launcher(command, layout, grace_s=args.grace_s, restart_workers=args.restart_workers, task_env=env,
                     base_port=args.port or 0, max_restarts=args.max_restarts,
-                    restart_backoff_s=args.restart_backoff_s).run()
+                    restart_backoff_s=args.restart_backoff_s, min_workers=args.min_workers,
+                    blacklist_after=args.blacklist_after).run()
 
 
 def run() -> None:

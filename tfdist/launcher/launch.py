@@ -7,7 +7,9 @@ prefixes every line each one prints with its role and index, forwards
 SIGINT/SIGTERM to all of them, and, when one fails, stops the others (SIGTERM,
 then SIGKILL after a grace period) and reports the failing task's exit status
 and last lines. With `max_restarts`, a failed job is torn down and relaunched
-whole, with the same command, up to that many times. It never changes its own
+whole, with the same command, up to that many times; with `min_workers` too
+(elastic), each relaunch drops the slots or hosts that failed too often and
+runs on the workers left (`tfdist.launcher.elastic`). It never changes its own
 environment: each child gets its own copy.
 """
 
@@ -28,8 +30,9 @@ import threading
 import time
 from typing import Optional, Sequence, TextIO
 
+from tfdist.launcher import elastic
 from tfdist.launcher import hosts as hosts_lib
-from tfdist.errors import UserError
+from tfdist.errors import UserError, one_paragraph
 from tfdist.launcher.ssh import SshConfig
 
 
@@ -123,6 +126,14 @@ def tf_config(cluster: dict[str, list[str]], role: str, index: int) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}, separators=(",", ":"))
 
 
+class HostUnreachable(UserError):
+    """A host that could not be reached over SSH before the job started; `host` names it."""
+
+    def __init__(self, host: str, message: str):
+        super().__init__(message)
+        self.host = host
+
+
 @dataclasses.dataclass
 class _Task:
     role: str
@@ -212,6 +223,8 @@ class Launcher:
         base_port: int = 0,
         max_restarts: int = 0,
         restart_backoff_s: float = 10.0,
+        min_workers: Optional[int] = None,
+        blacklist_after: int = 1,
     ):
         if not command:
             raise UserError("No command to launch; put it after --, e.g. tfdist-launch --num_workers=2 -- tfdist-train.")
@@ -234,6 +247,13 @@ class Launcher:
             raise UserError(f"--max_restarts={max_restarts} must be 0 or more (0: no restarts).")
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
+        elastic.validate(self.layout.num_workers, min_workers, num_ps=self.layout.num_ps,
+                         max_restarts=max_restarts, blacklist_after=blacklist_after)
+        self.membership: Optional[elastic.Membership] = None
+        if min_workers is not None:
+            self.membership = elastic.Membership(self.placement, min_workers, blacklist_after) if self.placement \
+                else elastic.Membership.local(self.layout.num_workers, min_workers, blacklist_after)
+        self._culprit: Optional[_Task] = None
         self.tasks: list[_Task] = []
         self._lock = threading.Lock()
         self._signal: Optional[int] = None
@@ -258,7 +278,10 @@ class Launcher:
         ports: dict[str, list[int]] = {}
         for host in dict.fromkeys(self.placement):  # Every host is reached before any task starts.
             taken = [p for chosen in ports.values() for p in chosen]  # Hosts may share a machine.
-            ports[host] = self.ssh.probe_ports(host, self.placement.count(host), self.base_port, taken)
+            try:
+                ports[host] = self.ssh.probe_ports(host, self.placement.count(host), self.base_port, taken)
+            except UserError as error:
+                raise HostUnreachable(host, str(error)) from None
         return [f"{hosts_lib.network_name(host)}:{ports[host].pop(0)}" for host in self.placement]
 
     def start(self) -> None:
@@ -348,6 +371,7 @@ class Launcher:
         while self._any_running():
             failed = self._first_failure()
             if failed is not None:
+                self._culprit = failed
                 if self._signal is None:
                     self._print(f"tfdist-launch: {failed.label} {failed.describe()}; stopping the other tasks.\n")
                 self._stop_all()
@@ -356,6 +380,7 @@ class Launcher:
         for task in self.tasks:
             task.reap()
         failed = failed or self._first_failure()
+        self._culprit = failed
         if failed is None:
             self._print(f"tfdist-launch: all {len(self.tasks)} task(s) finished.\n")
             return 0
@@ -428,20 +453,64 @@ class Launcher:
             notes.append(f"stopped {', '.join(stragglers)}, still running {self.grace_s:g} s after the chief finished")
         return f" ({'; '.join(notes)})" if notes else ""
 
+    def _start(self) -> None:
+        """Starts the tasks; an elastic job drops the hosts that do not answer and starts on the rest."""
+        while True:
+            try:
+                return self.start()
+            except HostUnreachable as error:
+                if self.membership is None or error.host not in self.membership.slots:
+                    raise
+                self.membership.drop(error.host)
+                why = one_paragraph(str(error)).removesuffix(" No task was started.")
+                if not self.membership.enough:
+                    raise UserError(f"{why} Without {error.host}, {self.membership.num_workers} worker slot(s) are "
+                                    f"left, fewer than --min_workers={self.membership.min_workers}; no task was "
+                                    "started.") from None
+                self._print(f"tfdist-launch: elastic: {error.host} does not answer ({why}); it is dropped, and the "
+                            f"job starts on {self.membership.num_workers} worker(s).\n")
+                self._resize()
+
+    def _shrink(self, restart: int) -> bool:
+        """Elastic: charges the failure to the failed worker's slot; False (giving up) below --min_workers."""
+        membership = self.membership
+        culprit = self._culprit or self._first_failure()
+        slot = membership.slots[self.tasks.index(culprit)]
+        dropped = membership.charge(slot)
+        event = f"tfdist-launch: elastic: {culprit.label} {culprit.describe()}; {membership.verdict(slot, dropped)}"
+        if not membership.enough:
+            self._print(f"{event}, leaving {membership.num_workers} worker(s), fewer than --min_workers="
+                        f"{membership.min_workers}; giving up.\n")
+            return False
+        self._print(f"{event}; restart {restart} of {self.max_restarts}: relaunching on {membership.num_workers} "
+                    f"worker(s) in {self.restart_backoff_s:g} s (tfdist-train resumes from its --workdir's last "
+                    "checkpoint, with the same global batch).\n")
+        self._resize()
+        return True
+
+    def _resize(self) -> None:
+        """The next launch runs one worker per slot the elastic membership has left."""
+        self.layout = ClusterLayout(self.membership.num_workers)
+        if self.placement is not None:
+            self.placement = list(self.membership.slots)
+
     def run(self) -> int:
         """Starts the job, supervises it, relaunches it after a failure up to `max_restarts` times."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             restart = 0
             while True:
-                self.start()
+                self._start()
                 code = self.wait()
                 if code == 0 or self._signal is not None or restart >= self.max_restarts:
                     break
                 restart += 1
-                self._print(f"tfdist-launch: restart {restart} of {self.max_restarts}: relaunching all "
-                            f"{len(self.tasks)} task(s) in {self.restart_backoff_s:g} s with the same command "
-                            "(tfdist-train resumes from its --workdir's last checkpoint).\n")
+                if self.membership is None:
+                    self._print(f"tfdist-launch: restart {restart} of {self.max_restarts}: relaunching all "
+                                f"{len(self.tasks)} task(s) in {self.restart_backoff_s:g} s with the same command "
+                                "(tfdist-train resumes from its --workdir's last checkpoint).\n")
+                elif not self._shrink(restart):
+                    return code
                 deadline = time.time() + self.restart_backoff_s
                 while time.time() < deadline and self._signal is None:
                     time.sleep(0.05)

@@ -551,6 +551,7 @@ def fit(
                                                  checkpoint_name="ckpt")
             rundir.write_text(PLAN_FILE, json.dumps({**plan.resume_fields(), "num_replicas": backend.num_replicas},
                                                     indent=2, sort_keys=True) + "\n")
+            rundir.record_membership(start_step, backend.num_workers, backend.num_replicas)
         precision = keras.mixed_precision.dtype_policy().name
         step_functions = steps_lib.StepFunctions(
             model, backend, grad_accum_steps=grad_accum_steps, step_counter=step_counter,

@@ -5,6 +5,8 @@ Layout of ``--workdir``::
   config.json       the resolved configuration (repeat a run with it)
   flags.txt         the same as an absl flagfile: tfdist-train --flagfile=W/flags.txt
   plan.json         the resolved plan a resume must match (written by tfdist.fit)
+  membership.json   one entry per start of training in this workdir: the step it started or resumed
+                    at, and its workers and replicas (a change is a job that shrank or grew)
   checkpoints/      tf.train checkpoints (ckpt-STEP), newest kept: model, optimizer, step and
                     every random seed generator's state (`training_checkpoint`)
   tensorboard/      TensorBoard summaries (and profiler traces)
@@ -54,6 +56,7 @@ from absl import logging
 from tfdist.errors import UserError
 
 LOCK_NAME = ".lock"
+MEMBERSHIP_FILE = "membership.json"
 # The TensorFlow errors a failed file write raises (ENOSPC is ResourceExhausted,
 # EACCES/EROFS PermissionDenied, a vanished directory NotFound). Errors of lost
 # peers (Unavailable, DeadlineExceeded, Cancelled, Aborted) are not among them.
@@ -566,6 +569,23 @@ class RunDir:
     def write_json(self, name: str, values: dict[str, Any]) -> None:
         if self.is_chief:
             self.write_text(name, json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+    def record_membership(self, step: int, num_workers: int, num_replicas: int) -> list[dict[str, Any]]:
+        """Appends this start (step, workers, replicas) to membership.json; returns the whole record."""
+        if not self.is_chief:
+            return []
+        path = self.join(MEMBERSHIP_FILE)
+        entries: list[dict[str, Any]] = []
+        if tf.io.gfile.exists(path):
+            try:
+                with tf.io.gfile.GFile(path) as f:
+                    entries = list(json.load(f))
+            except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+                logging.warning("%s is damaged; starting it anew.", path)
+        entries.append({"step": step, "num_workers": num_workers, "num_replicas": num_replicas,
+                        "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
+        self.write_text(MEMBERSHIP_FILE, json.dumps(entries, indent=2) + "\n")
+        return entries
 
     def write_text(self, name: str, text: str) -> None:
         """Writes `name` through a temporary file and an atomic rename; a failure is a `WriteError`."""

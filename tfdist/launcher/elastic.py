@@ -1,0 +1,113 @@
+"""Elastic synchronous jobs (tfdist-launch --min_workers): which worker slots each relaunch uses.
+
+A job of N workers starts on N slots: one per worker, named by its host with
+--hosts, else "slot i" on this machine. When a worker fails, the launcher ends
+the job, charges the failure to that worker's slot (a host is charged once for
+all its slots), and, after `blacklist_after` failures, drops the slot -- with
+--hosts, every slot of that host. The job then relaunches on the slots left,
+with TF_CONFIG written for the new count, as long as at least `min_workers`
+remain. tfdist's global batch and data order do not depend on the worker count,
+so the relaunched job resumes the same trajectory from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from typing import Optional, Sequence
+
+from tfdist.errors import UserError
+
+
+class Membership:
+    """The worker slots an elastic job may still use, and each slot's failures."""
+
+    def __init__(self, slots: Sequence[str], min_workers: int, blacklist_after: int = 1):
+        self.slots = list(slots)
+        self.min_workers = min_workers
+        self.blacklist_after = blacklist_after
+        self.failures: collections.Counter = collections.Counter()
+        self.dropped: list[str] = []
+
+    @classmethod
+    def local(cls, num_workers: int, min_workers: int, blacklist_after: int = 1) -> "Membership":
+        return cls([f"slot {i}" for i in range(num_workers)], min_workers, blacklist_after)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.slots)
+
+    @property
+    def enough(self) -> bool:
+        return len(self.slots) >= self.min_workers
+
+    def charge(self, slot: str) -> bool:
+        """Counts one failure of `slot`; True if that was its last allowed one and it (its host) is dropped."""
+        self.failures[slot] += 1
+        if self.failures[slot] < self.blacklist_after:
+            return False
+        self.drop(slot)
+        return True
+
+    def drop(self, slot: str) -> None:
+        """Drops `slot` (with --hosts: every slot of that host) at once, e.g. a host that does not answer."""
+        self.slots = [s for s in self.slots if s != slot]
+        self.dropped.append(slot)
+
+    def verdict(self, slot: str, dropped: bool) -> str:
+        """What became of `slot` after a charge, for the launcher's event line."""
+        count = self.failures[slot]
+        if dropped:
+            return (f"{slot} is dropped after {count} failure(s) (--blacklist_after={self.blacklist_after})")
+        return f"{slot} has failed {count} of the {self.blacklist_after} time(s) allowed and is kept"
+
+
+def validate(num_workers: int, min_workers: Optional[int], *, num_ps: int, max_restarts: int,
+             blacklist_after: int) -> None:
+    """Refuses an elastic setting that cannot work, before any task starts."""
+    if min_workers is None:
+        if blacklist_after != 1:
+            raise UserError("--blacklist_after applies to elastic jobs only; give --min_workers too.")
+        return
+    if not 1 <= min_workers <= num_workers:
+        raise UserError(f"--min_workers={min_workers} must be from 1 to --num_workers={num_workers} (the most "
+                        "workers the job runs on).")
+    if num_ps:
+        raise UserError("--min_workers is for synchronous jobs (MultiWorkerMirroredStrategy, Horovod-free "
+                        "launches without --num_ps). A parameter-server job already carries on without a lost "
+                        "worker: leave --min_workers out, and use --restart_workers to bring workers back.")
+    if max_restarts < 1:
+        raise UserError(f"--min_workers={min_workers} shrinks the job by relaunching it, and --max_restarts="
+                        f"{max_restarts} allows no relaunch; give --max_restarts=N (N >= 1, each shrink or retry "
+                        "uses one).")
+    if blacklist_after < 1:
+        raise UserError(f"--blacklist_after={blacklist_after} must be 1 or more (failures of one slot or host "
+                        "before it is dropped).")
+
+
+def flag_value(command: Sequence[str], name: str) -> Optional[str]:
+    """The value of `--name=V` or `--name V` in a command line, else None (the last one wins)."""
+    value = None
+    for i, arg in enumerate(command):
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(command):
+            value = command[i + 1]
+    return value
+
+
+def check_global_batch(command: Sequence[str], num_workers: int, min_workers: int) -> None:
+    """A --global_batch_size in the command must divide by every worker count the job may shrink to."""
+    value = flag_value(command, "global_batch_size")
+    if value is None or not re.fullmatch(r"\d+", value):
+        return
+    batch = int(value)
+    counts = [n for n in range(min_workers, num_workers + 1) if batch % n]
+    if counts:
+        lcm = math.lcm(*range(min_workers, num_workers + 1))
+        raise UserError(
+            f"--global_batch_size={batch} does not divide by {', '.join(map(str, counts))} worker(s), which "
+            f"--min_workers={min_workers} and --num_workers={num_workers} let the job shrink to; the global batch "
+            f"stays fixed when the job shrinks, so every count must divide it. Use a multiple of {lcm}, or change "
+            "--min_workers.")
