@@ -9,6 +9,7 @@ the global batch and data order do not depend on the worker count).
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -37,6 +38,27 @@ def test_the_global_batch_must_divide_by_every_count_the_job_may_shrink_to():
     elastic.check_global_batch(["my_program.py"], 4, 2)  # Not given: the program itself checks each launch.
     with pytest.raises(UserError, match=r"--global_batch_size=20 does not divide by 3 worker\(s\).*multiple of 12"):
         elastic.check_global_batch(["tfdist-train", "--global_batch_size", "20"], 4, 2)
+
+
+def test_a_workdir_that_is_not_shared_by_the_hosts_is_refused(tmp_path):
+    """Two machines with separate disks cannot run here: each "host" gets its own directory tree."""
+    roots = {"node1": tmp_path / "node1", "node2": tmp_path / "node2"}
+    shared = tmp_path / "shared"
+
+    def run_on(host, shell):  # What `SshConfig.run` does, with /shared mounted on both and /local per host.
+        shell = shell.replace("/local", str(roots[host])).replace("/shared", str(shared))
+        return subprocess.run(["sh", "-c", shell], capture_output=True, text=True)
+
+    elastic.check_shared_workdir(run_on, ["node1", "node1", "node2"], "/shared/w")
+    elastic.check_shared_workdir(run_on, ["node1", "node2"], "gs://bucket/w")
+    elastic.check_shared_workdir(run_on, ["node1", "node1"], "/local/w")  # One host: nothing to share.
+    with pytest.raises(UserError) as error:
+        elastic.check_shared_workdir(run_on, ["node1", "node2"], "/local/w")
+    assert str(error.value) == (
+        "--min_workers relaunches the job on the hosts left, which resume from --workdir's last checkpoint, but "
+        "--workdir=/local/w is not shared: a file made there on node1 is not there on node2 (a per-host local "
+        "path). Put --workdir on storage every host mounts (NFS, a cluster file system, gs://...).")
+    assert os.listdir(shared / "w") == [] and os.listdir(roots["node1"] / "w") == []  # The marker is removed.
 
 
 # worker:2 of a 3-worker job fails on cue; the others wait to be stopped. On 2 workers all finish.

@@ -19,6 +19,7 @@ import pytest
 
 from tests import sshd_setup
 from tests.conftest import REPO, free_port, subprocess_env
+from tests.test_elastic import SGD
 from tests.test_launch import Job, alive, fingerprints
 from tfdist.launcher import ssh
 
@@ -157,4 +158,32 @@ def test_sigterm_to_the_launcher_reaches_the_remote_tasks(tmp_path, sshd):
               launch_args=[HOSTS, *sshd.ssh_args(), *TASK_ENV], wrap=sshd.wrap)
     step = job.preempt_after_first_checkpoint()
     assert 0 < step < 310 and f"ckpt-{step}.index" in os.listdir(workdir / "checkpoints")
+    assert_no_leftovers(str(workdir), job.output)
+
+
+@needs_sshd
+def test_elastic_job_over_ssh_drops_a_silent_host_then_a_failed_one(tmp_path, sshd):
+    """127.0.0.9 has no sshd: the job starts on the other 3 slots; the task on 127.0.0.3 is then killed, and
+    the job finishes on the 2 workers of 127.0.0.2, resuming from the last checkpoint."""
+    workdir = tmp_path / "w"
+    # Time-based checkpoints too: the chief's step time sets the interval every worker uses (one collective).
+    job = Job(tmp_path, ["--strategy=multi_worker_mirrored", *SGD, "--checkpoint_every_secs=1",
+                         f"--workdir={workdir}"], num_workers=4,
+              launch_args=["--hosts=127.0.0.2:2,127.0.0.3:1,127.0.0.9:1", "--min_workers=2", "--max_restarts=2",
+                           "--restart_backoff_s=0.5", "--grace_s=5", *sshd.ssh_args(), *TASK_ENV], wrap=sshd.wrap)
+    job.wait_for(r"tfdist-launch: elastic: 127\.0\.0\.9 does not answer \(cannot reach 127\.0\.0\.9 .*\); it is "
+                 r"dropped, and the job starts on 3 worker\(s\)\.")
+    job.kill_after_first_checkpoint("worker:2")
+    assert job.wait(timeout=400) == 0, job.output[-4000:] + sshd.log()
+    assert ("tfdist-launch: elastic: worker:2 was killed by SIGKILL on 127.0.0.3; 127.0.0.3 is dropped after 1 "
+            "failure(s) (--blacklist_after=1); restart 1 of 2: relaunching on 2 worker(s)") in job.output
+    clusters = [json.loads(c) for c in re.findall(r"tfdist-launch: cluster (.*)", job.output)]
+    assert [[a.split(":")[0] for a in c["worker"]] for c in clusters] == [
+        ["127.0.0.2", "127.0.0.2", "127.0.0.3"], ["127.0.0.2", "127.0.0.2"]]
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    resumed = metrics["resumed_from_step"]
+    assert (metrics["steps"], metrics["num_workers"]) == (40, 2) and 0 < resumed < 40
+    membership = json.loads((workdir / "membership.json").read_text())
+    assert [(m["step"], m["num_workers"]) for m in membership] == [(0, 3), (resumed, 2)]
+    assert re.search(r"^\[worker:0\] .*Checkpointing every \d+ step\(s\): about every 1 s", job.output, re.M)
     assert_no_leftovers(str(workdir), job.output)

@@ -179,6 +179,9 @@ def main(argv: list[str]) -> int:
         ssh.ssh_argv(hosts[0].name)  # The ssh client exists.
         if args.ssh_identity and not os.path.isfile(args.ssh_identity):
             raise UserError(f"--ssh_identity={args.ssh_identity!r} does not exist; give the private key file.")
+        if args.min_workers is not None:
+            elastic.check_shared_workdir(ssh.run, hosts_lib.place(hosts, layout.num_workers),
+                                         elastic.flag_value(command, "workdir"))
         return Launcher(command, layout, grace_s=args.grace_s, restart_workers=args.restart_workers, task_env=env,
                         hosts=hosts, ssh=ssh, base_port=args.port or 0, max_restarts=args.max_restarts,
                         restart_backoff_s=args.restart_backoff_s, min_workers=args.min_workers,

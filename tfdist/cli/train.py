@@ -73,6 +73,9 @@ flags.DEFINE_string("workdir", None, "Run directory (default: a new one under ./
 flags.DEFINE_boolean("resume", None, "Resume from the workdir's checkpoint (default: when one exists).")
 flags.DEFINE_integer("checkpoint_every_steps", _D.checkpoint_every_steps,
                      "Also checkpoint every N steps (0: at epoch ends only).")
+flags.DEFINE_float("checkpoint_every_secs", _D.checkpoint_every_secs,
+                   "Also checkpoint about every S seconds (the chief's step time, measured at the start, turns S "
+                   "into a step interval every task shares; 0: off).")
 flags.DEFINE_integer("keep_checkpoints", _D.keep_checkpoints, "Checkpoints to keep.")
 flags.DEFINE_integer("max_steps", None, "Stop after this many steps in total.")
 flags.DEFINE_integer("summary_every_steps", _D.summary_every_steps, "Write train scalars every N steps "

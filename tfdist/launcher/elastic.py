@@ -15,7 +15,10 @@ from __future__ import annotations
 import collections
 import math
 import re
-from typing import Optional, Sequence
+import shlex
+import subprocess
+import uuid
+from typing import Callable, Optional, Sequence
 
 from tfdist.errors import UserError
 
@@ -111,3 +114,29 @@ def check_global_batch(command: Sequence[str], num_workers: int, min_workers: in
             f"--min_workers={min_workers} and --num_workers={num_workers} let the job shrink to; the global batch "
             f"stays fixed when the job shrinks, so every count must divide it. Use a multiple of {lcm}, or change "
             "--min_workers.")
+
+
+def check_shared_workdir(run: Callable[[str, str], subprocess.CompletedProcess], hosts: Sequence[str],
+                         workdir: Optional[str]) -> None:
+    """With several hosts, the relaunch's survivors must reach the checkpoints: --workdir must be shared.
+
+    `run(host, shell)` runs a shell command there (`SshConfig.run`). A file made in the workdir on the
+    first host must be visible on every other host that answers; storage URLs (gs://...) are taken as shared.
+    """
+    distinct = list(dict.fromkeys(hosts))
+    if workdir is None or "://" in workdir or len(distinct) < 2:
+        return
+    marker = shlex.quote(f"{workdir.rstrip('/')}/.tfdist-shared-{uuid.uuid4().hex}")
+    made = run(distinct[0], f"mkdir -p {shlex.quote(workdir)} && : > {marker}")
+    if made.returncode != 0:
+        return  # Unreachable, or not writable: the start itself reports it.
+    try:
+        for host in distinct[1:]:
+            if run(host, f"test -e {marker}").returncode == 1:
+                raise UserError(
+                    f"--min_workers relaunches the job on the hosts left, which resume from --workdir's last "
+                    f"checkpoint, but --workdir={workdir} is not shared: a file made there on {distinct[0]} is not "
+                    f"there on {host} (a per-host local path). Put --workdir on storage every host mounts (NFS, "
+                    "a cluster file system, gs://...).")
+    finally:
+        run(distinct[0], f"rm -f {marker}")

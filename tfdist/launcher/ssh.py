@@ -120,6 +120,15 @@ class SshConfig:
                   f"{shlex.join([self.python, '-c', REMOTE_WATCHDOG, label, *command])}")
         return self.ssh_argv(host) + [remote]
 
+    def run(self, host: str, shell: str) -> subprocess.CompletedProcess:
+        """Runs a shell command on `host` in the launcher's working directory; 255: ssh could not connect."""
+        argv = self.ssh_argv(host) + [f"cd {shlex.quote(self.cwd)} && {shell}"]
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=self.connect_timeout_s + 30,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(argv, 255, "", "timed out")
+
     def probe_ports(self, host: str, count: int, base_port: int = 0, exclude: Sequence[int] = ()) -> list[int]:
         """Free ports on `host` (from `base_port` up if given, else any not in `exclude`); UserError if unreachable."""
         remote = f"cd {shlex.quote(self.cwd)} && " + shlex.join(

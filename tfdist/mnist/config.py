@@ -53,6 +53,7 @@ class TrainConfig(StrategyOptions):
     workdir: Optional[str] = None
     resume: Optional[bool] = None
     checkpoint_every_steps: int = 0
+    checkpoint_every_secs: float = 0.0
     keep_checkpoints: int = 3
     max_steps: Optional[int] = None
     summary_every_steps: int = 0
@@ -95,6 +96,9 @@ class TrainConfig(StrategyOptions):
                 f"--checkpoint_every_steps={self.checkpoint_every_steps} must be 0 "
                 "(checkpoint at each epoch end only) or a positive step count."
             )
+        if not self.checkpoint_every_secs >= 0:
+            raise UserError(f"--checkpoint_every_secs={self.checkpoint_every_secs} must be 0 (off) or a positive "
+                            "number of seconds.")
         return self
 
     def profile_range(self) -> Optional[tuple[int, int]]:

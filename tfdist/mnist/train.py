@@ -105,6 +105,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,
         steps_per_execution=plan.steps_per_execution, grad_accum_steps=plan.grad_accum_steps, seed=config.seed,
         max_steps=config.max_steps, checkpoint_every_steps=config.checkpoint_every_steps,
+        checkpoint_every_secs=config.checkpoint_every_secs,
         keep_checkpoints=config.keep_checkpoints, resume=config.resume, step_counter=step,
         jit_compile={"auto": "auto", "true": True, "false": False}[config.jit_compile],
         summary_every_steps=config.summary_every_steps, profile_steps=config.profile_range(),

@@ -450,6 +450,7 @@ def fit(
     seed: int = 0,
     max_steps: Optional[int] = None,
     checkpoint_every_steps: int = 0,
+    checkpoint_every_secs: float = 0.0,
     keep_checkpoints: int = 3,
     resume: Optional[bool] = None,
     verbose: int = 1,
@@ -481,6 +482,8 @@ def fit(
         raise _fail(f"epochs={epochs} must be 1 or more.")
     if grad_accum_steps < 1:
         raise _fail(f"grad_accum_steps={grad_accum_steps} must be 1 or more.")
+    if not checkpoint_every_secs >= 0:
+        raise _fail(f"checkpoint_every_secs={checkpoint_every_secs} must be 0 (off) or more.")
     fit_args.check_arguments(shuffle=shuffle, class_weight=class_weight, validation_split=validation_split,
                              validation_freq=validation_freq, initial_epoch=initial_epoch)
     given = fit_args.prepare(x, y, sample_weight, validation_data=validation_data, batch_size=batch_size,
@@ -563,7 +566,7 @@ def fit(
         result = _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir,
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
                       summary_every_steps, profile_steps, initial_epoch=int(initial_epoch),
-                      validation_freq=validation_freq)
+                      validation_freq=validation_freq, checkpoint_every_secs=float(checkpoint_every_secs))
         if rundir is not None and not result.diverged:  # Chief only; staged and renamed into place.
             _export(rundir, model, export, result, manager)
     if _report is not None:
@@ -691,7 +694,8 @@ def callbacks_for_task(callbacks: list, backend: Backend) -> list:
 
 def _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir, step_counter,
          start_step, callbacks, checkpoint_every_steps, verbose, precision, summary_every_steps,
-         profile_steps, initial_epoch: int = 0, validation_freq: Any = 1) -> LoopResult:
+         profile_steps, initial_epoch: int = 0, validation_freq: Any = 1,
+         checkpoint_every_secs: float = 0.0) -> LoopResult:
     replicas = backend.num_replicas
     train_fn = lambda first: iter(backend.distribute_dataset(source.dataset_fn(plan, backend, first)))  # noqa: E731
     eval_fn, eval_steps, eval_examples = None, 0, None
@@ -734,7 +738,8 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         eval_steps=eval_steps, eval_examples=eval_examples, checkpoint=checkpoint, manager=manager, save_fn=save,
         callbacks=callback_list, history=history,
         loss_scaling=isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer),
-        checkpoint_every_steps=checkpoint_every_steps, progress=bool(verbose), error=_fail,
+        checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_secs=checkpoint_every_secs,
+        progress=bool(verbose), error=_fail,
         summary_every_steps=summary_every_steps,
         profile=(profile_steps, rundir.join("tensorboard")) if profile_steps and rundir is not None
         and backend.is_chief else None,

@@ -188,6 +188,7 @@ class Controller:
         history: keras.callbacks.History,
         loss_scaling: bool,
         checkpoint_every_steps: int = 0,
+        checkpoint_every_secs: float = 0.0,
         progress: bool = True,
         error: Callable[[str], Exception] = UserError,
         summary_every_steps: int = 0,
@@ -211,6 +212,7 @@ class Controller:
         self.history = history
         self.loss_scaling = loss_scaling
         self.every = checkpoint_every_steps
+        self.every_secs = checkpoint_every_secs
         self.progress = Progress(progress and backend.is_chief, plan.steps_per_epoch)
         self.error = error
         self.model = steps.model
@@ -253,6 +255,17 @@ class Controller:
             "different values. Start every worker with the same command, flags and software on the same kind of "
             "machine.")
 
+    def _checkpoint_interval(self, seconds_per_step: float) -> None:
+        """checkpoint_every_secs as a step interval every task shares: the chief's measured step time decides."""
+        steps = max(1, int(round(self.every_secs / seconds_per_step)))
+        if not self.backend.single_controller:  # One collective, at the same step on every task.
+            table = self.backend.gather_from_tasks(np.array([self.backend.worker_index, steps], np.int64))
+            steps = int(next(row[1] for row in table if int(row[0]) == 0))
+        self.every = min(self.every, steps) if self.every else steps
+        if self.backend.is_chief:
+            logging.info("Checkpointing every %d step(s): about every %g s at the %.3g s a step measured.",
+                         self.every, self.every_secs, seconds_per_step)
+
     # Running ------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         if self.eval_iterator_fn is None:
@@ -291,6 +304,7 @@ class Controller:
         # agree on the stop through a flag each step reads, summed in the execution's reduction.
         flag = None if backend.single_controller else host_variable(0.0, "tfdist_stop")
         stop_arg = flag if flag is not None else tf.constant(0.0)
+        timing: Optional[list[float]] = [] if self.every_secs else None  # Segment seconds per step, until set.
         with StopRequest(flag) as stop, self._profiler_guard():
             while step < plan.total_steps and not self.model.stop_training:
                 epoch = step // plan.steps_per_epoch
@@ -301,7 +315,9 @@ class Controller:
                 boundary = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
                 if self.every:
                     boundary = min(boundary, (step // self.every + 1) * self.every)
-                t0 = time.perf_counter()
+                if timing is not None:  # Two short segments: the first compiles, the second is timed.
+                    boundary = min(boundary, step + 2 * plan.steps_per_execution)
+                t0, segment_start = time.perf_counter(), step
                 pending: collections.deque = collections.deque()
                 dispatched = step
 
@@ -390,6 +406,11 @@ class Controller:
                     raise
                 seconds = time.perf_counter() - t0
                 epoch_seconds[epoch] = epoch_seconds.get(epoch, 0.0) + seconds
+                if timing is not None and step > segment_start:
+                    timing.append(seconds / (step - segment_start))
+                    if len(timing) == 2:
+                        self._checkpoint_interval(timing[1])
+                        timing = None
                 if first_segment:
                     first_segment = False
                 elif segment_examples:
