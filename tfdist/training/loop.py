@@ -236,8 +236,10 @@ class Controller:
         """All tasks compare (step, plan, precision) before the first step; a mismatch fails all of them."""
         if self.backend.single_controller:
             return
+        # Time-based checkpoints gather once at a step every task must reach alike: on or off everywhere.
         mine = np.array([self.backend.worker_index, step, self.plan.digest(),
-                         int(hashlib.sha256(precision.encode()).hexdigest()[:7], 16)], np.int64)
+                         int(hashlib.sha256(precision.encode()).hexdigest()[:7], 16), int(self.every_secs > 0)],
+                        np.int64)
         table = self.backend.gather_from_tasks(mine)
         rows = sorted({tuple(int(v) for v in row) for row in table})
         if len({row[1:] for row in rows}) == 1:
@@ -249,7 +251,8 @@ class Controller:
                 "shares? Point every worker at the same shared --workdir, and a BackupAndRestore at a backup_dir they "
                 "all share (or start them all from scratch in a new one).")
         what = "plan (batch sizes, steps, seed, learning rate, dataset)" if len({r[2] for r in rows}) > 1 \
-            else f"precision policy (this task: {precision})"
+            else f"precision policy (this task: {precision})" if len({r[3] for r in rows}) > 1 \
+            else f"time-based checkpoints (checkpoint_every_secs: {self.every_secs:g} on this task)"
         raise self.error(
             f"The workers disagree about the {what}: tasks {', '.join(f'worker {r[0]}' for r in rows)} resolved "
             "different values. Start every worker with the same command, flags and software on the same kind of "
@@ -304,7 +307,7 @@ class Controller:
         # agree on the stop through a flag each step reads, summed in the execution's reduction.
         flag = None if backend.single_controller else host_variable(0.0, "tfdist_stop")
         stop_arg = flag if flag is not None else tf.constant(0.0)
-        timing: Optional[list[float]] = [] if self.every_secs else None  # Segment seconds per step, until set.
+        calibrating = bool(self.every_secs)  # Until the checkpoint interval is set from a timed segment.
         with StopRequest(flag) as stop, self._profiler_guard():
             while step < plan.total_steps and not self.model.stop_training:
                 epoch = step // plan.steps_per_epoch
@@ -315,7 +318,7 @@ class Controller:
                 boundary = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
                 if self.every:
                     boundary = min(boundary, (step // self.every + 1) * self.every)
-                if timing is not None:  # Two short segments: the first compiles, the second is timed.
+                if calibrating:  # Two short segments: the first compiles, the second is timed.
                     boundary = min(boundary, step + 2 * plan.steps_per_execution)
                 t0, segment_start = time.perf_counter(), step
                 pending: collections.deque = collections.deque()
@@ -406,11 +409,9 @@ class Controller:
                     raise
                 seconds = time.perf_counter() - t0
                 epoch_seconds[epoch] = epoch_seconds.get(epoch, 0.0) + seconds
-                if timing is not None and step > segment_start:
-                    timing.append(seconds / (step - segment_start))
-                    if len(timing) == 2:
-                        self._checkpoint_interval(timing[1])
-                        timing = None
+                if calibrating and not first_segment and step > segment_start:
+                    self._checkpoint_interval(seconds / (step - segment_start))
+                    calibrating = False
                 if first_segment:
                     first_segment = False
                 elif segment_examples:
