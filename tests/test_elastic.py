@@ -35,9 +35,24 @@ def test_a_slot_is_dropped_after_its_allowed_failures_and_a_host_with_all_its_sl
 def test_the_global_batch_must_divide_by_every_count_the_job_may_shrink_to():
     elastic.check_global_batch(["tfdist-train", "--global_batch_size=48"], 4, 2)
     elastic.check_global_batch(["tfdist-train", "--global_batch_size", "60"], 5, 3)
+    elastic.check_global_batch(["tfdist-train", "--global_batch_size=96", "--grad_accum_steps=4"], 3, 2)
+    elastic.check_global_batch(["tfdist-train"], 4, 4)  # Its default 128 divides by 4.
     elastic.check_global_batch(["my_program.py"], 4, 2)  # Not given: the program itself checks each launch.
+    elastic.check_global_batch(["my_program.py", "--per_replica_batch_size=8", "--lr_scaling=linear"], 4, 2)
     with pytest.raises(UserError, match=r"--global_batch_size=20 does not divide by 3 worker\(s\).*multiple of 12"):
         elastic.check_global_batch(["tfdist-train", "--global_batch_size", "20"], 4, 2)
+    with pytest.raises(UserError, match=r"^--global_batch_size=128 \(tfdist-train's default\) does not divide by 3 "
+                                        r"worker\(s\), .*multiple of 6,"):
+        elastic.check_global_batch(["python", "-m", "tfdist.cli.train", "--epochs=1"], 3, 2)
+    with pytest.raises(UserError, match=r"^--global_batch_size=40 does not divide by 3 worker\(s\) x "
+                                        r"--grad_accum_steps=4, .*multiple of 24,"):
+        elastic.check_global_batch(["tfdist-train", "--global_batch_size=40", "--grad_accum_steps", "4"], 3, 2)
+    with pytest.raises(UserError, match=r"^--per_replica_batch_size makes the global batch per-replica batch x "
+                                        r"replicas, so it would change when an elastic job"):
+        elastic.check_global_batch(["tfdist-train", "--per_replica_batch_size=16"], 3, 2)
+    with pytest.raises(UserError, match=r"^--lr_scaling=sqrt scales the learning rate with the replica count"):
+        elastic.check_global_batch(["tfdist-train", "--global_batch_size=48", "--lr_scaling", "sqrt"], 3, 2)
+    elastic.check_global_batch(["tfdist-train", "--global_batch_size=48", "--lr_scaling=none"], 3, 2)
 
 
 def test_a_workdir_that_is_not_shared_by_the_hosts_is_refused(tmp_path):
@@ -49,6 +64,12 @@ def test_a_workdir_that_is_not_shared_by_the_hosts_is_refused(tmp_path):
         shell = shell.replace("/local", str(roots[host])).replace("/shared", str(shared))
         return subprocess.run(["sh", "-c", shell], capture_output=True, text=True)
 
+    def unreachable_first(host, shell):  # node0 does not answer: the marker is made on node1 instead.
+        return subprocess.CompletedProcess([], 255, "", "") if host == "node0" else run_on(host, shell)
+
+    with pytest.raises(UserError, match=r"a file made there on node1 is not there on node2"):
+        elastic.check_shared_workdir(unreachable_first, ["node0", "node1", "node2"], "/local/w")
+    elastic.check_shared_workdir(unreachable_first, ["node0", "node1", "node2"], "/shared/w")
     elastic.check_shared_workdir(run_on, ["node1", "node1", "node2"], "/shared/w")
     elastic.check_shared_workdir(run_on, ["node1", "node2"], "gs://bucket/w")
     elastic.check_shared_workdir(run_on, ["node1", "node1"], "/local/w")  # One host: nothing to share.
@@ -74,16 +95,23 @@ time.sleep(0.5)
 
 
 def elastic_launcher(out, **options):
-    return launch.Launcher([sys.executable, "-c", _FAILING_THIRD], launch.ClusterLayout(num_workers=3),
-                           grace_s=3.0, restart_backoff_s=0.0, out=out, **options)
+    program = options.pop("program", _FAILING_THIRD)
+    return launch.Launcher([sys.executable, "-c", program, *options.pop("args", [])],
+                           launch.ClusterLayout(num_workers=3), grace_s=3.0, restart_backoff_s=0.0, settle_s=1.0,
+                           out=out, **options)
+
+
+def run_elastic(**options):
+    """Runs an elastic launcher of tiny tasks to success; its output, and its elastic event lines."""
+    out = io.StringIO()
+    code = elastic_launcher(out, **options).run()
+    text = out.getvalue()
+    assert code == 0, text
+    return text, [line for line in text.splitlines() if line.startswith("tfdist-launch: elastic:")]
 
 
 def test_a_slot_that_keeps_failing_is_dropped_and_the_job_finishes_on_the_rest():
-    out = io.StringIO()
-    code = elastic_launcher(out, min_workers=2, blacklist_after=2, max_restarts=3).run()
-    text = out.getvalue()
-    assert code == 0, text
-    events = [line for line in text.splitlines() if line.startswith("tfdist-launch: elastic:")]
+    text, events = run_elastic(min_workers=2, blacklist_after=2, max_restarts=3)
     assert events == [
         "tfdist-launch: elastic: worker:2 exited with status 5; slot 2 has failed 1 of the 2 time(s) allowed and is "
         "kept; restart 1 of 3: relaunching on 3 worker(s) in 0 s (tfdist-train resumes from its --workdir's last "
@@ -103,6 +131,49 @@ def test_the_job_gives_up_when_fewer_than_min_workers_are_left():
     assert ("tfdist-launch: elastic: worker:2 exited with status 5; slot 2 is dropped after 1 failure(s) "
             "(--blacklist_after=1), leaving 2 worker(s), fewer than --min_workers=3; giving up.") in text
     assert text.count("tfdist-launch: cluster ") == 1
+
+
+# Each task fails once with status 2 (a program error, alike on every worker), then succeeds.
+_EVERY_ONE_FAILS_ONCE = r"""
+import json, os, sys, time
+marker = os.path.join(sys.argv[1], str(json.loads(os.environ["TF_CONFIG"])["task"]["index"]))
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    sys.exit(2)
+"""
+
+
+def test_workers_that_all_fail_alike_charge_no_slot(tmp_path):
+    text, events = run_elastic(program=_EVERY_ONE_FAILS_ONCE, args=[str(tmp_path)], min_workers=2, max_restarts=1)
+    assert events == [
+        "tfdist-launch: elastic: every worker failed alike (exited with status 2), so the program failed, not one "
+        "slot or host; none is charged; restart 1 of 1: relaunching on 3 worker(s) in 0 s (tfdist-train resumes "
+        "from its --workdir's last checkpoint, with the same global batch)."], text
+    assert text.splitlines()[-1] == "tfdist-launch: all 3 task(s) finished.", text
+
+
+# On 3 workers, worker:1 stops answering (it ignores SIGTERM, as a task on a host that is gone cannot take
+# one), and its peers fail alike, having lost it. On 2 workers all finish.
+_SILENT_SECOND = r"""
+import json, os, signal, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+if len(config["cluster"]["worker"]) == 3:
+    if config["task"]["index"] == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    time.sleep(1.0)
+    sys.exit(1)
+"""
+
+
+def test_the_worker_that_stops_answering_is_blamed_not_the_peers_that_lost_it():
+    text, events = run_elastic(program=_SILENT_SECOND, min_workers=2, max_restarts=1)
+    assert events == [
+        "tfdist-launch: elastic: worker:1 was killed by SIGKILL after not ending within 3 s of SIGTERM, once its "
+        "peers had failed: its process or host stopped answering; slot 1 is dropped after 1 failure(s) "
+        "(--blacklist_after=1); restart 1 of 1: relaunching on 2 worker(s) in 0 s (tfdist-train resumes from its "
+        "--workdir's last checkpoint, with the same global batch)."], text
+    assert text.splitlines()[-1] == "tfdist-launch: all 2 task(s) finished.", text
 
 
 # 40 steps at 0.05: undisturbed runs on 1, 2 and 3 replicas agree to 3e-8 (at 0.1 for 60 steps this CNN

@@ -409,3 +409,38 @@ def test_chief_led_closing_line_is_plain_when_every_task_leaves_cleanly():
                                grace_s=5.0, out=out)
     assert launcher.run() == 0, out.getvalue()
     assert out.getvalue().splitlines()[-1] == "tfdist-launch: the chief finished; job done.", out.getvalue()
+
+
+def test_ctrl_c_while_the_ports_are_chosen_starts_no_task(monkeypatch):
+    out = io.StringIO()
+    launcher = launch.Launcher([sys.executable, "-c", "import time; time.sleep(60)"], launch.ClusterLayout(2),
+                               out=out)
+    choose = launcher._addresses
+
+    def interrupted():  # Ctrl-C while the ports are chosen (over SSH, a probe of each host can take seconds).
+        os.kill(os.getpid(), signal.SIGINT)
+        return choose()
+
+    monkeypatch.setattr(launcher, "_addresses", interrupted)
+    assert launcher.run() == 130
+    assert "tfdist-launch: started" not in out.getvalue(), out.getvalue()
+    assert out.getvalue().splitlines()[-1] == "tfdist-launch: got SIGINT before any task started; none was started."
+
+
+def test_a_relaunch_that_cannot_start_ends_with_the_failed_runs_status(monkeypatch):
+    out = io.StringIO()
+    launcher = launch.Launcher([sys.executable, "-c", "import sys; sys.exit(5)"], launch.ClusterLayout(2),
+                               out=out, max_restarts=2, restart_backoff_s=0.0)
+    choose, calls = launcher._addresses, []
+
+    def host_gone():  # The second start finds a host gone (over SSH: HostUnreachable from the port probe).
+        calls.append(1)
+        if len(calls) == 2:
+            raise launch.HostUnreachable("node2", "cannot reach node2 over SSH (timed out). No task was started.")
+        return choose()
+
+    monkeypatch.setattr(launcher, "_addresses", host_gone)
+    assert launcher.run() == 5
+    assert out.getvalue().splitlines()[-1] == (
+        "tfdist-launch: restart 1 could not start the job: cannot reach node2 over SSH (timed out). No task was "
+        "started. Giving up with the last run's status (5)."), out.getvalue()

@@ -355,3 +355,39 @@ def test_two_workers_resume_exactly_past_a_damaged_checkpoint(tmp_path):
     assert max(float(np.abs(whole[0][k] - resumed[0][k]).max()) for k in weights) <= 1e-6
     assert max(float(np.abs(whole[0][k] - np.load(tmp_path / "out_b1" / "task0.npz")[k]).max())
                for k in weights) > 0.01  # Epoch 2 moved the weights.
+
+
+_KILL_FLAGS = ["--precision=float32", "--optimizer=sgd", "--learning_rate=0.05", "--global_batch_size=32",
+               "--max_steps=30", "--steps_per_execution=5", "--checkpoint_every_steps=10", "--epochs=1"]
+
+
+def _fingerprint(output: str) -> str:
+    return re.search(r"weights_fingerprint=(\w+)", output).group(1)
+
+
+@pytest.fixture(scope="module")
+def undisturbed_fingerprint(tmp_path_factory):
+    result = run_train([*_KILL_FLAGS, f"--workdir={tmp_path_factory.mktemp('undisturbed') / 'w'}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _fingerprint(result.stdout)
+
+
+@pytest.mark.parametrize("where", ["shards", "unrecorded"])
+def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_complete_one(tmp_path, where,
+                                                                                  undisturbed_fingerprint):
+    """SIGKILL inside ckpt-20's write (shards in ckpt-20_temp/; or whole files the state file does not name)."""
+    work = tmp_path / "w"
+    killed = subprocess.run([sys.executable, "tests/programs/killed_save.py", "20", where, *_KILL_FLAGS,
+                             f"--workdir={work}"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env=subprocess_env())
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    checkpoints = work / "checkpoints"
+    left = sorted(os.listdir(checkpoints))
+    assert "ckpt-10.index" in left and any(name.startswith("ckpt-20") for name in left), left
+    assert tf.train.latest_checkpoint(str(checkpoints)).endswith("ckpt-10")
+    resumed = run_train([*_KILL_FLAGS, f"--workdir={work}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = json.loads((work / "metrics.json").read_text())
+    assert (metrics["resumed_from_step"], metrics["steps"]) == (10, 30)
+    assert not [name for name in os.listdir(checkpoints) if "_temp" in name]
+    assert _fingerprint(resumed.stdout) == undisturbed_fingerprint

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -21,6 +22,7 @@ import uuid
 from typing import Callable, Optional, Sequence
 
 from tfdist.errors import UserError
+from tfdist.mnist.config import DEFAULT_GLOBAL_BATCH_SIZE
 
 
 class Membership:
@@ -100,43 +102,66 @@ def flag_value(command: Sequence[str], name: str) -> Optional[str]:
     return value
 
 
+def _is_tfdist_train(command: Sequence[str]) -> bool:
+    return any(os.path.basename(arg) == "tfdist-train" or arg == "tfdist.cli.train" for arg in command)
+
+
 def check_global_batch(command: Sequence[str], num_workers: int, min_workers: int) -> None:
-    """A --global_batch_size in the command must divide by every worker count the job may shrink to."""
-    value = flag_value(command, "global_batch_size")
-    if value is None or not re.fullmatch(r"\d+", value):
-        return
-    batch = int(value)
-    counts = [n for n in range(min_workers, num_workers + 1) if batch % n]
+    """The command's batch flags must keep the global batch and learning rate fixed at every worker count.
+
+    Checks tfdist-train's flags as that program reads them (--global_batch_size defaults to 128 there);
+    for another program, an explicit --global_batch_size only (it checks its own batch at each launch).
+    """
+    train = _is_tfdist_train(command)
+    if train and flag_value(command, "per_replica_batch_size") is not None:
+        raise UserError("--per_replica_batch_size makes the global batch per-replica batch x replicas, so it would "
+                        "change when an elastic job (--min_workers) shrinks, and with it the training; give "
+                        "--global_batch_size instead (it stays fixed, and each replica's share follows the count).")
+    scaling = flag_value(command, "lr_scaling") if train else None
+    if scaling not in (None, "none"):
+        raise UserError(f"--lr_scaling={scaling} scales the learning rate with the replica count, so it would change "
+                        "when an elastic job (--min_workers) shrinks; leave it out (or give --lr_scaling=none) and set "
+                        "--learning_rate for the fixed global batch.")
+    value = flag_value(command, "global_batch_size") or (str(DEFAULT_GLOBAL_BATCH_SIZE) if train else None)
+    accum = flag_value(command, "grad_accum_steps") if train else None
+    if value is None or not re.fullmatch(r"\d+", value) or not re.fullmatch(r"\d*", accum or ""):
+        return  # Not given, or not a number: the program itself refuses it.
+    batch, accum_steps = int(value), int(accum or 1) or 1
+    counts = [n for n in range(min_workers, num_workers + 1) if batch % (n * accum_steps)]
     if counts:
-        lcm = math.lcm(*range(min_workers, num_workers + 1))
+        unit = math.lcm(*range(min_workers, num_workers + 1)) * accum_steps
+        given = "" if flag_value(command, "global_batch_size") else " (tfdist-train's default)"
+        per = f" x --grad_accum_steps={accum_steps}" if accum_steps > 1 else ""
         raise UserError(
-            f"--global_batch_size={batch} does not divide by {', '.join(map(str, counts))} worker(s), which "
-            f"--min_workers={min_workers} and --num_workers={num_workers} let the job shrink to; the global batch "
-            f"stays fixed when the job shrinks, so every count must divide it. Use a multiple of {lcm}, or change "
-            "--min_workers.")
+            f"--global_batch_size={batch}{given} does not divide by {', '.join(map(str, counts))} worker(s){per}, "
+            f"which --min_workers={min_workers} and --num_workers={num_workers} let the job shrink to; the global "
+            "batch stays fixed when the job shrinks, so every count must divide it. Use a multiple of "
+            f"{unit}, or change --min_workers.")
 
 
 def check_shared_workdir(run: Callable[[str, str], subprocess.CompletedProcess], hosts: Sequence[str],
                          workdir: Optional[str]) -> None:
     """With several hosts, the relaunch's survivors must reach the checkpoints: --workdir must be shared.
 
-    `run(host, shell)` runs a shell command there (`SshConfig.run`). A file made in the workdir on the
-    first host must be visible on every other host that answers; storage URLs (gs://...) are taken as shared.
+    `run(host, shell)` runs a shell command there (`SshConfig.run`: status 1 is only the shell's own). A
+    file made in the workdir on the first host that answers must be visible on every other host that
+    answers; storage URLs (gs://...) are taken as shared.
     """
     distinct = list(dict.fromkeys(hosts))
     if workdir is None or "://" in workdir or len(distinct) < 2:
         return
     marker = shlex.quote(f"{workdir.rstrip('/')}/.tfdist-shared-{uuid.uuid4().hex}")
-    made = run(distinct[0], f"mkdir -p {shlex.quote(workdir)} && : > {marker}")
-    if made.returncode != 0:
-        return  # Unreachable, or not writable: the start itself reports it.
+    maker = next((host for host in distinct
+                  if run(host, f"mkdir -p {shlex.quote(workdir)} && : > {marker}").returncode == 0), None)
+    if maker is None:
+        return  # No host answers, or none can write there: the start itself reports it.
     try:
-        for host in distinct[1:]:
-            if run(host, f"test -e {marker}").returncode == 1:
+        for host in distinct:
+            if host != maker and run(host, f"test -e {marker}").returncode == 1:
                 raise UserError(
                     f"--min_workers relaunches the job on the hosts left, which resume from --workdir's last "
-                    f"checkpoint, but --workdir={workdir} is not shared: a file made there on {distinct[0]} is not "
+                    f"checkpoint, but --workdir={workdir} is not shared: a file made there on {maker} is not "
                     f"there on {host} (a per-host local path). Put --workdir on storage every host mounts (NFS, "
                     "a cluster file system, gs://...).")
     finally:
-        run(distinct[0], f"rm -f {marker}")
+        run(maker, f"rm -f {marker}")

@@ -33,7 +33,7 @@ from typing import Optional, Sequence, TextIO
 from tfdist.launcher import elastic
 from tfdist.launcher import hosts as hosts_lib
 from tfdist.errors import UserError, one_paragraph
-from tfdist.launcher.ssh import SshConfig
+from tfdist.launcher.ssh import HostUnreachable, SshConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +126,7 @@ def tf_config(cluster: dict[str, list[str]], role: str, index: int) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}, separators=(",", ":"))
 
 
-class HostUnreachable(UserError):
-    """A host that could not be reached over SSH before the job started; `host` names it."""
-
-    def __init__(self, host: str, message: str):
-        super().__init__(message)
-        self.host = host
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # Compared and hashed by identity: a restarted task is a new one.
 class _Task:
     role: str
     index: int
@@ -142,6 +134,8 @@ class _Task:
     tail: collections.deque
     reader: threading.Thread
     host: Optional[str] = None  # Set when the task runs on another host, through ssh.
+    ended: Optional[float] = None  # When the launcher saw it exit before stopping the job (it ended on its own).
+    unanswered: bool = False  # Still running when the grace period after SIGTERM ran out (needed SIGKILL).
 
     @property
     def label(self) -> str:
@@ -225,6 +219,7 @@ class Launcher:
         restart_backoff_s: float = 10.0,
         min_workers: Optional[int] = None,
         blacklist_after: int = 1,
+        settle_s: float = 3.0,
     ):
         if not command:
             raise UserError("No command to launch; put it after --, e.g. tfdist-launch --num_workers=2 -- tfdist-train.")
@@ -254,6 +249,8 @@ class Launcher:
             self.membership = elastic.Membership(self.placement, min_workers, blacklist_after) if self.placement \
                 else elastic.Membership.local(self.layout.num_workers, min_workers, blacklist_after)
         self._culprit: Optional[_Task] = None
+        self.settle_s = settle_s
+        self._stopping = False
         self.tasks: list[_Task] = []
         self._lock = threading.Lock()
         self._signal: Optional[int] = None
@@ -278,16 +275,15 @@ class Launcher:
         ports: dict[str, list[int]] = {}
         for host in dict.fromkeys(self.placement):  # Every host is reached before any task starts.
             taken = [p for chosen in ports.values() for p in chosen]  # Hosts may share a machine.
-            try:
-                ports[host] = self.ssh.probe_ports(host, self.placement.count(host), self.base_port, taken)
-            except UserError as error:
-                raise HostUnreachable(host, str(error)) from None
+            ports[host] = self.ssh.probe_ports(host, self.placement.count(host), self.base_port, taken)
         return [f"{hosts_lib.network_name(host)}:{ports[host].pop(0)}" for host in self.placement]
 
     def start(self) -> None:
         self.cluster = cluster_spec(self.layout, self._addresses())
         self._print(f"tfdist-launch: cluster {json.dumps(self.cluster)}\n")
         for i, (role, index) in enumerate(self.layout.roles()):
+            if self._signal is not None:  # Ctrl-C while starting: the tasks not yet started never are.
+                return
             self.tasks.append(self._spawn(role, index, self.placement[i] if self.placement else None))
 
     def _spawn(self, role: str, index: int, host: Optional[str] = None) -> _Task:
@@ -318,8 +314,18 @@ class Launcher:
             task.send(sig)
 
     def _any_running(self) -> bool:
-        """Polls every task (not stopping at the first running one, so every exit is noticed)."""
-        return [t.process.poll() for t in self.tasks].count(None) > 0
+        """Polls every task (not stopping at the first running one, so every exit is noticed).
+
+        Notes when each task is first seen to have exited before the launcher began stopping the job:
+        those ended on their own, and only they can be blamed for a failure.
+        """
+        running = 0
+        for task in self.tasks:
+            if task.process.poll() is None:
+                running += 1
+            elif task.ended is None and not self._stopping:
+                task.ended = time.time()
+        return running > 0
 
     def _wait_all(self, seconds: float) -> None:
         deadline = time.time() + seconds
@@ -328,8 +334,12 @@ class Launcher:
 
     def _stop_all(self) -> None:
         """SIGTERM everything still running; SIGKILL what is left after the grace period."""
+        self._any_running()  # Whatever exited by now ended on its own.
+        self._stopping = True
         self._signal_all(signal.SIGTERM)
         self._wait_all(self.grace_s)
+        for task in self.tasks:
+            task.unanswered = task.process.poll() is None
         self._signal_all(signal.SIGKILL)
         for task in self.tasks:
             task.reap()
@@ -342,6 +352,8 @@ class Launcher:
         # In a parameter-server job only the chief checkpoints; the others must stay
         # up while it drains its in-flight steps, and leave when it is gone.
         targets = [t for t in self.tasks if t.role == "chief"] if self._chief_led else self.tasks
+        if not targets:
+            return  # Still starting: no task is started after this.
         self._print(f"tfdist-launch: got {signal.Signals(signum).name}; forwarding SIGTERM to "
                     f"{', '.join(t.label for t in targets)} (checkpoint, then exit).\n")
         self._signal_all(signal.SIGTERM, targets)
@@ -367,24 +379,54 @@ class Launcher:
 
     def _wait_all_equal(self) -> int:
         """Synchronous jobs: any task failing fails the job; all stop together."""
-        failed: Optional[_Task] = None
+        self._stopping = False
         while self._any_running():
             failed = self._first_failure()
             if failed is not None:
-                self._culprit = failed
                 if self._signal is None:
                     self._print(f"tfdist-launch: {failed.label} {failed.describe()}; stopping the other tasks.\n")
+                    if self.membership is not None:  # Exits that follow within seconds are the job's own.
+                        self._wait_all(self.settle_s)
                 self._stop_all()
                 break
             time.sleep(0.1)
         for task in self.tasks:
             task.reap()
-        failed = failed or self._first_failure()
-        self._culprit = failed
+        failed = self._first_failure()
         if failed is None:
             self._print(f"tfdist-launch: all {len(self.tasks)} task(s) finished.\n")
             return 0
-        return self._report(failed, "")
+        self._culprit = self._blame()
+        return self._report(self._culprit or failed, self._silence(self._culprit))
+
+    def _silence(self, task: Optional[_Task]) -> str:
+        """For a task blamed for not answering: what it did, after its describe()."""
+        if task is None or task.ended is not None:
+            return ""
+        return (f" after not ending within {self.grace_s:g} s of SIGTERM, once its peers had failed: its process or "
+                "host stopped answering")
+
+    def _blame(self) -> Optional[_Task]:
+        """The task whose failure ended a synchronous job; None when every task failed alike (the program did).
+
+        Only tasks that ended on their own count, earliest first: one killed by a signal, else one whose
+        SSH connection dropped (status 255). When those that ended all failed alike (their peers lost them)
+        and a task never answered the SIGTERM that followed, that silent one is blamed -- a host that is
+        gone keeps its ssh session open for half a minute, while its peers fail within seconds.
+        """
+        own = sorted((t for t in self.tasks if t.ended is not None and t.process.returncode != 0),
+                     key=lambda t: t.ended)
+        if not own:
+            return None
+        alike = len({t.process.returncode for t in own}) == 1
+        if alike and len(own) == len(self.tasks) > 1:
+            return None
+        for sign in (lambda t: t.killed, lambda t: t.host is not None and t.process.returncode == 255):
+            marked = [t for t in own if sign(t)]
+            if marked:
+                return marked[0]
+        silent = [t for t in self.tasks if t.unanswered]
+        return silent[0] if alike and silent else own[0]
 
     def _wait_chief_led(self) -> int:
         """Parameter-server jobs: the chief's outcome is the job's.
@@ -395,13 +437,13 @@ class Launcher:
         `ps_loss_timeout_s` later, the launcher stops the job itself.
         """
         chief = next(t for t in self.tasks if t.role == "chief")
-        reported: set[int] = set()
+        reported: set[_Task] = set()
         ps_lost: Optional[tuple[_Task, float]] = None
         while chief.process.poll() is None:
             for i, task in enumerate(self.tasks):
-                if task is chief or task.process.poll() is None or id(task) in reported:
+                if task is chief or task.process.poll() is None or task in reported:
                     continue
-                reported.add(id(task))
+                reported.add(task)
                 code = task.process.returncode
                 if task.role == "worker" and self._signal is None:
                     restarts = self.restarts.get(task.label, 0)
@@ -433,16 +475,16 @@ class Launcher:
         self._print(f"tfdist-launch: the chief finished; job done{self._aftermath(reported, stragglers)}.\n")
         return 0
 
-    def _aftermath(self, reported: set[int], stragglers: list[str]) -> str:
+    def _aftermath(self, reported: set[_Task], stragglers: list[str]) -> str:
         """What the other tasks did, for the closing line: "" when every one left cleanly after the chief.
 
         "Lost along the way" are the workers that ended with an error while the chief trained (and were
         not restarted); a task that failed or had to be stopped only after the chief finished is named
         apart, since the training itself did not miss it.
         """
-        lost = [t.label for t in self.tasks if id(t) in reported and t.role == "worker" and t.process.returncode != 0]
+        lost = [t.label for t in self.tasks if t in reported and t.role == "worker" and t.process.returncode != 0]
         late = [f"{t.label} {t.describe()}" for t in self.tasks
-                if t.role != "chief" and id(t) not in reported and t.label not in stragglers
+                if t.role != "chief" and t not in reported and t.label not in stragglers
                 and t.process.returncode != 0]
         notes = []
         if lost:
@@ -472,21 +514,34 @@ class Launcher:
                 self._resize()
 
     def _shrink(self, restart: int) -> bool:
-        """Elastic: charges the failure to the failed worker's slot; False (giving up) below --min_workers."""
+        """Elastic: charges the failure to the failed worker's slot; False (giving up) below --min_workers.
+
+        When every worker failed alike, the program failed rather than a slot or host: no one is charged,
+        and the job relaunches on the same workers (a host that is gone is dropped when it does not answer).
+        """
         membership = self.membership
-        culprit = self._culprit or self._first_failure()
+        culprit = self._culprit
+        if culprit is None:
+            failed = self._first_failure()
+            self._print(f"tfdist-launch: elastic: every worker failed alike ({failed.describe()}), so the program "
+                        f"failed, not one slot or host; none is charged; {self._relaunch_line(restart)}")
+            return True
         slot = membership.slots[self.tasks.index(culprit)]
         dropped = membership.charge(slot)
-        event = f"tfdist-launch: elastic: {culprit.label} {culprit.describe()}; {membership.verdict(slot, dropped)}"
+        event = (f"tfdist-launch: elastic: {culprit.label} {culprit.describe()}{self._silence(culprit)}; "
+                 f"{membership.verdict(slot, dropped)}")
         if not membership.enough:
             self._print(f"{event}, leaving {membership.num_workers} worker(s), fewer than --min_workers="
                         f"{membership.min_workers}; giving up.\n")
             return False
-        self._print(f"{event}; restart {restart} of {self.max_restarts}: relaunching on {membership.num_workers} "
-                    f"worker(s) in {self.restart_backoff_s:g} s (tfdist-train resumes from its --workdir's last "
-                    "checkpoint, with the same global batch).\n")
+        self._print(f"{event}; {self._relaunch_line(restart)}")
         self._resize()
         return True
+
+    def _relaunch_line(self, restart: int) -> str:
+        return (f"restart {restart} of {self.max_restarts}: relaunching on {self.membership.num_workers} worker(s) in "
+                f"{self.restart_backoff_s:g} s (tfdist-train resumes from its --workdir's last checkpoint, with the "
+                "same global batch).\n")
 
     def _resize(self) -> None:
         """The next launch runs one worker per slot the elastic membership has left."""
@@ -498,9 +553,20 @@ class Launcher:
         """Starts the job, supervises it, relaunches it after a failure up to `max_restarts` times."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            restart = 0
+            restart, code = 0, 0
             while True:
-                self._start()
+                try:
+                    self._start()
+                except UserError as error:
+                    if restart == 0:
+                        raise
+                    self._print(f"tfdist-launch: restart {restart} could not start the job: "
+                                f"{one_paragraph(str(error))} Giving up with the last run's status ({code}).\n")
+                    return code
+                if self._signal is not None and not self.tasks:
+                    self._print(f"tfdist-launch: got {signal.Signals(self._signal).name} before any task started; "
+                                "none was started.\n")
+                    return 128 + self._signal
                 code = self.wait()
                 if code == 0 or self._signal is not None or restart >= self.max_restarts:
                     break
@@ -516,7 +582,7 @@ class Launcher:
                     time.sleep(0.05)
                 if self._signal is not None:
                     break
-                self.tasks, self.restarts = [], {}
+                self.tasks, self.restarts, self._culprit = [], {}, None
             if code != 0 and self.max_restarts and self._signal is None:
                 self._print(f"tfdist-launch: the job failed again after {restart} restart(s); giving up "
                             f"(--max_restarts={self.max_restarts}).\n")

@@ -27,6 +27,17 @@ from typing import Optional, Sequence
 
 from tfdist.errors import UserError, one_paragraph
 
+class HostUnreachable(UserError):
+    """A host that did not answer over SSH (ssh status 255 or a time-out) before the job started."""
+
+    def __init__(self, host: str, message: str):
+        super().__init__(message)
+        self.host = host
+
+
+# Status of `SshConfig.run` when the launcher's working directory is missing on the host.
+NO_CWD = 97
+
 # Runs on the remote host as `python -c REMOTE_WATCHDOG LABEL COMMAND...`.
 REMOTE_WATCHDOG = r"""
 import os, signal, subprocess, sys, threading
@@ -121,8 +132,11 @@ class SshConfig:
         return self.ssh_argv(host) + [remote]
 
     def run(self, host: str, shell: str) -> subprocess.CompletedProcess:
-        """Runs a shell command on `host` in the launcher's working directory; 255: ssh could not connect."""
-        argv = self.ssh_argv(host) + [f"cd {shlex.quote(self.cwd)} && {shell}"]
+        """Runs a shell command on `host` in the launcher's working directory.
+
+        Status 255: ssh could not connect (or it timed out); `NO_CWD`: that directory is missing there.
+        """
+        argv = self.ssh_argv(host) + [f"cd {shlex.quote(self.cwd)} 2>/dev/null || exit {NO_CWD}; {shell}"]
         try:
             return subprocess.run(argv, capture_output=True, text=True, timeout=self.connect_timeout_s + 30,
                                   stdin=subprocess.DEVNULL)
@@ -130,7 +144,11 @@ class SshConfig:
             return subprocess.CompletedProcess(argv, 255, "", "timed out")
 
     def probe_ports(self, host: str, count: int, base_port: int = 0, exclude: Sequence[int] = ()) -> list[int]:
-        """Free ports on `host` (from `base_port` up if given, else any not in `exclude`); UserError if unreachable."""
+        """Free ports on `host` (from `base_port` up if given, else any not in `exclude`).
+
+        Raises `HostUnreachable` when ssh cannot connect or times out, and `UserError` for what the user
+        must fix (a refused key, an unknown host key, a busy --port, no Python or directory there).
+        """
         remote = f"cd {shlex.quote(self.cwd)} && " + shlex.join(
             [self.python, "-c", PORT_PROBE, str(count), str(base_port), ",".join(map(str, exclude))])
         argv = self.ssh_argv(host) + [remote]
@@ -138,8 +156,8 @@ class SshConfig:
             result = subprocess.run(argv, capture_output=True, text=True, timeout=self.connect_timeout_s + 30,
                                     stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            raise UserError(f"{host} did not answer over SSH within {self.connect_timeout_s + 30} s; no task was "
-                            "started. Check the host name and network.") from None
+            raise HostUnreachable(host, f"{host} did not answer over SSH within {self.connect_timeout_s + 30} s; no "
+                                  "task was started. Check the host name and network.") from None
         said = one_paragraph(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "")
         target = f"{host} (ssh port {self.port or 22}{', key ' + self.identity if self.identity else ''})"
         if result.returncode == 255:
@@ -151,8 +169,9 @@ class SshConfig:
                 problem = (f"{target} has a host key this machine does not know ({said}). Connect once with ssh "
                            "to accept it, or pass --ssh_option=StrictHostKeyChecking=accept-new.")
             else:
-                problem = (f"cannot reach {target} over SSH ({said or 'ssh exited with status 255'}). Check the "
-                           "host name, that sshd listens on that port (--ssh_port), and the network.")
+                reason = said or "ssh exited with status 255"
+                raise HostUnreachable(host, f"cannot reach {target} over SSH ({reason}). Check the host name, that "
+                                      "sshd listens on that port (--ssh_port), and the network. No task was started.")
             raise UserError(f"{problem} No task was started.")
         if result.returncode == 3 and result.stdout.startswith("busy"):
             raise UserError(f"Port {result.stdout.split()[1]} is in use on {host}; the job needs ports "
