@@ -11,10 +11,10 @@ Sessions:
                         in tests-tf2.21.
 Pass pytest arguments after --, e.g. `python3 -m nox -s tests-tf2.21 -- -k cluster`.
 
-Both sessions first make sure an OpenSSH server is installed for the SSH tests
-(tests/test_ssh.py): as root, on a machine with apt-get and no /usr/sbin/sshd,
-they install Debian's openssh-server. Elsewhere (not root, or the install
-fails) those tests skip and say why.
+Both sessions first make sure an OpenSSH server (for tests/test_ssh.py) and tc
+(for tests/test_shaping.py) are installed: as root, on a machine with apt-get
+that lacks them, they install Debian's openssh-server and iproute2. Elsewhere
+(not root, or the install fails) those tests skip and say why.
 """
 
 import os
@@ -38,19 +38,27 @@ HOROVOD_BUILD_ENV = {
 
 
 def ensure_sshd(session: nox.Session) -> None:
-    """Installs openssh-server (sshd, ssh, ssh-keygen) for the SSH tests, only as root and only if missing."""
-    if os.path.exists("/usr/sbin/sshd") and shutil.which("ssh") and shutil.which("ssh-keygen"):
+    """Installs what the SSH and link-shaping tests need, only as root and only if missing.
+
+    openssh-server (sshd, ssh, ssh-keygen) for tests/test_ssh.py; iproute2 (tc) for tests/test_shaping.py.
+    """
+    packages = []
+    if not (os.path.exists("/usr/sbin/sshd") and shutil.which("ssh") and shutil.which("ssh-keygen")):
+        packages += ["openssh-server", "openssh-client"]
+    if not (shutil.which("tc") or os.path.exists("/usr/sbin/tc") or os.path.exists("/sbin/tc")):
+        packages.append("iproute2")
+    if not packages:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        session.warn("no OpenSSH server here and no root/apt-get to install one: the SSH tests will skip")
+        session.warn(f"{', '.join(packages)} missing here and no root/apt-get to install them: the tests that need "
+                     "them (SSH, link shaping) will skip")
         return
     env = {"DEBIAN_FRONTEND": "noninteractive"}
     try:
         session.run("apt-get", "update", "-q", external=True, env=env)
-        session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server", "openssh-client",
-                    external=True, env=env)
+        session.run("apt-get", "install", "-y", "-q", "--no-install-recommends", *packages, external=True, env=env)
     except CommandFailed:
-        session.warn("installing openssh-server failed: the SSH tests will skip")
+        session.warn(f"installing {', '.join(packages)} failed: the tests that need them will skip")
 
 
 @nox.session(name="tests-tf2.21")

@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Optional
 
-from tfdist.launcher import elastic
+from tfdist.launcher import elastic, shaping
 from tfdist.launcher import hosts as hosts_lib
 from tfdist.cli import common
 from tfdist.errors import UserError
@@ -68,6 +68,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="isolated (default without --hosts): run the tasks in a private network namespace, so "
                              "their ports are reachable only from this job; host: use this machine's network (needed "
                              "when tasks must reach the internet, e.g. tfds --download, and always with --hosts).")
+    parser.add_argument("--link_rate", default=None,
+                        help="Local launches: shape the job's private loopback to this rate (tc tbf), e.g. 1gbit or "
+                             "200mbit, to measure a communication-bound job on one machine. Needs the isolated "
+                             "network and tc (iproute2).")
     parser.add_argument("--restart_workers", type=int, default=0,
                         help="Parameter-server jobs: restart a worker that dies up to N times (it rejoins).")
     parser.add_argument("--max_restarts", type=int, default=0,
@@ -171,6 +175,11 @@ def main(argv: list[str]) -> int:
                         "tfdist-train --workdir=DIR (a shared path across hosts).")
     if args.min_workers is not None:
         elastic.check_global_batch(command, layout.num_workers, args.min_workers)
+    rate = shaping.parse_rate(args.link_rate) if args.link_rate is not None else None
+    if rate is not None and (hosts is not None or args.network == "host"):
+        raise UserError("--link_rate shapes the private loopback of a local launch; with --hosts or --network=host "
+                        "the tasks use real network links, which tfdist-launch does not shape. Leave --link_rate "
+                        "out there (shape those links with tc on the hosts themselves).")
     if hosts is not None:
         if args.network == "isolated":
             raise UserError("--network=isolated cannot be used with --hosts/--hostfile: the tasks run on other "
@@ -192,10 +201,16 @@ def main(argv: list[str]) -> int:
             print("tfdist-launch: the tasks share a private network namespace; their ports are reachable only "
                   "from this job.", flush=True)
         except OSError as e:
+            if rate is not None:
+                raise UserError(f"--link_rate needs the job's private network namespace, which this machine does not "
+                                f"allow ({e}); leave --link_rate out.") from None
             print(f"tfdist-launch: warning: could not create a private network namespace ({e}); the tasks use "
                   "this machine's network, where TensorFlow's servers listen on all interfaces for the job's "
                   "ports. Run on a trusted network or behind a firewall (--network=host silences this).",
                   file=sys.stderr, flush=True)
+    if rate is not None:
+        print(f"tfdist-launch: the job's loopback is shaped to {args.link_rate} ({shaping.shape_loopback(rate)}).",
+              flush=True)
     return Launcher(command, layout, grace_s=args.grace_s, restart_workers=args.restart_workers, task_env=env,
                     base_port=args.port or 0, max_restarts=args.max_restarts,
                     restart_backoff_s=args.restart_backoff_s, min_workers=args.min_workers,
