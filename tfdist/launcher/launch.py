@@ -251,6 +251,7 @@ class Launcher:
         self._culprit: Optional[_Task] = None
         self.settle_s = settle_s
         self._stopping = False
+        self._signalled: set[_Task] = set()  # The tasks a forwarded Ctrl-C reached.
         self.tasks: list[_Task] = []
         self._lock = threading.Lock()
         self._signal: Optional[int] = None
@@ -283,6 +284,7 @@ class Launcher:
         self._print(f"tfdist-launch: cluster {json.dumps(self.cluster)}\n")
         for i, (role, index) in enumerate(self.layout.roles()):
             if self._signal is not None:  # Ctrl-C while starting: the tasks not yet started never are.
+                self._signal_all(signal.SIGTERM, [t for t in self._targets() if t not in self._signalled])
                 return
             self.tasks.append(self._spawn(role, index, self.placement[i] if self.placement else None))
 
@@ -344,14 +346,18 @@ class Launcher:
         for task in self.tasks:
             task.reap()
 
+    def _targets(self) -> list[_Task]:
+        """Who a Ctrl-C is forwarded to: every task, or in a parameter-server job the chief only (the others
+        must stay up while it drains its in-flight steps, and leave when it is gone)."""
+        return [t for t in self.tasks if t.role == "chief"] if self._chief_led else list(self.tasks)
+
     def _on_signal(self, signum: int, frame: object) -> None:
         if self._signal is not None:  # Second Ctrl-C: no more waiting.
             self._signal_all(signal.SIGKILL)
             return
         self._signal = signum
-        # In a parameter-server job only the chief checkpoints; the others must stay
-        # up while it drains its in-flight steps, and leave when it is gone.
-        targets = [t for t in self.tasks if t.role == "chief"] if self._chief_led else self.tasks
+        targets = self._targets()
+        self._signalled = set(targets)
         if not targets:
             return  # Still starting: no task is started after this.
         self._print(f"tfdist-launch: got {signal.Signals(signum).name}; forwarding SIGTERM to "
@@ -412,7 +418,9 @@ class Launcher:
         Only tasks that ended on their own count, earliest first: one killed by a signal, else one whose
         SSH connection dropped (status 255). When those that ended all failed alike (their peers lost them)
         and a task never answered the SIGTERM that followed, that silent one is blamed -- a host that is
-        gone keeps its ssh session open for half a minute, while its peers fail within seconds.
+        gone keeps its ssh session open for half a minute, while its peers fail within seconds. That
+        rule is for elastic jobs, and needs two or more peers failing alike: one task failing while the
+        others hang in a collective names the one that failed.
         """
         own = sorted((t for t in self.tasks if t.ended is not None and t.process.returncode != 0),
                      key=lambda t: t.ended)
@@ -421,12 +429,14 @@ class Launcher:
         alike = len({t.process.returncode for t in own}) == 1
         if alike and len(own) == len(self.tasks) > 1:
             return None
+        silent = [t for t in self.tasks if t.unanswered]
+        if self.membership is not None and alike and len(own) >= 2 and silent:
+            return silent[0]  # Its peers lost it alike (even by the same signal, e.g. an abort) and it is silent.
         for sign in (lambda t: t.killed, lambda t: t.host is not None and t.process.returncode == 255):
             marked = [t for t in own if sign(t)]
             if marked:
                 return marked[0]
-        silent = [t for t in self.tasks if t.unanswered]
-        return silent[0] if alike and silent else own[0]
+        return own[0]
 
     def _wait_chief_led(self) -> int:
         """Parameter-server jobs: the chief's outcome is the job's.

@@ -6,12 +6,15 @@ token-bucket filter on that loopback (`tc qdisc add dev lo root tbf`, from
 Debian's iproute2), so every byte the tasks exchange -- all-reduce, parameter
 reads, the coordination service -- passes at most at the given rate. Both
 directions of a ring share the one shaped device, as the tasks of a real
-cluster share their hosts' links. `tbf` works in an unprivileged namespace;
-`netem` (delay, loss) is not available here, so only the rate is shaped.
+cluster share their hosts' links. `tbf` works in an unprivileged namespace
+too (tc is given CAP_NET_ADMIN there as an ambient capability); `netem`
+(delay, loss) is not available here, so only the rate is shaped.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import shutil
 import subprocess
@@ -20,6 +23,26 @@ from tfdist.errors import UserError
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _LOOPBACK_MTU = 65536  # A token bucket smaller than one packet would drop every full-size packet.
+_CAP_NET_ADMIN, _CAPABILITY_VERSION_3, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 12, 0x20080522, 47, 2
+
+
+def _keep_net_admin() -> None:
+    """In tc's child before exec: keep CAP_NET_ADMIN across exec as a non-root user (ambient capability).
+
+    Unprivileged, the launcher holds every capability in its own user and network namespace, but exec
+    of a program by a non-zero uid drops them; raising CAP_NET_ADMIN into the inheritable and ambient
+    sets keeps it for tc. As root nothing is needed, and a failure here leaves tc to report its own error.
+    """
+    if os.geteuid() == 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # Two (effective, permitted, inheritable) triples: capabilities 0-31, 32-63.
+    if libc.capget(header, data) != 0:
+        return
+    data[2] |= 1 << _CAP_NET_ADMIN
+    if libc.capset(header, data) == 0:
+        libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_NET_ADMIN, 0, 0)
 
 
 def parse_rate(text: str) -> float:
@@ -45,7 +68,7 @@ def shape_loopback(rate: float) -> str:
                         "iproute2 (Debian/Ubuntu: apt-get install iproute2) or leave --link_rate out.")
     command = [tc, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{int(rate)}bit", "burst",
                str(burst_bytes(rate)), "latency", "100ms"]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, preexec_fn=_keep_net_admin)
     if result.returncode != 0:
         said = " ".join(result.stderr.split()) or f"status {result.returncode}"
         raise UserError(f"--link_rate could not shape the job's loopback ({' '.join(command[1:])}: {said}); the "

@@ -156,8 +156,8 @@ class SshConfig:
             result = subprocess.run(argv, capture_output=True, text=True, timeout=self.connect_timeout_s + 30,
                                     stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            raise HostUnreachable(host, f"{host} did not answer over SSH within {self.connect_timeout_s + 30} s; no "
-                                  "task was started. Check the host name and network.") from None
+            raise HostUnreachable(host, f"{host} did not answer over SSH within {self.connect_timeout_s + 30} s; check "
+                                  "the host name and network. No task was started.") from None
         said = one_paragraph(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "")
         target = f"{host} (ssh port {self.port or 22}{', key ' + self.identity if self.identity else ''})"
         if result.returncode == 255:
