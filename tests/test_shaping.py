@@ -7,7 +7,6 @@ milliseconds. The rates refused are checked through the command line.
 """
 
 import re
-import shutil
 import sys
 
 import pytest
@@ -51,7 +50,7 @@ def _transfer_seconds(*launch_args, size):
     return float(re.search(r"received \d+ bytes in ([\d.]+) s", result.stdout).group(1)), result.stdout
 
 
-@pytest.mark.skipif(shutil.which("tc") is None and not shutil.which("/usr/sbin/tc"),
+@pytest.mark.skipif(shaping.find_tc() is None,
                     reason="tc (Debian's iproute2) is not installed; the nox sessions install it as root")
 def test_a_transfer_of_n_bytes_takes_at_least_n_over_the_rate():
     size, rate = 8_000_000, 100e6

@@ -415,12 +415,11 @@ class Launcher:
     def _blame(self) -> Optional[_Task]:
         """The task whose failure ended a synchronous job; None when every task failed alike (the program did).
 
-        Only tasks that ended on their own count, earliest first: one killed by a signal, else one whose
-        SSH connection dropped (status 255). When those that ended all failed alike (their peers lost them)
-        and a task never answered the SIGTERM that followed, that silent one is blamed -- a host that is
-        gone keeps its ssh session open for half a minute, while its peers fail within seconds. That
-        rule is for elastic jobs, and needs two or more peers failing alike: one task failing while the
-        others hang in a collective names the one that failed.
+        Only tasks that ended on their own count. In an elastic job, when two or more of them failed alike
+        (their peers lost them, perhaps all by the same abort) and a task never answered the SIGTERM that
+        followed, that silent one is blamed: a host that is gone keeps its ssh session open for half a
+        minute, while its peers fail within seconds. Otherwise, earliest first: one killed by a signal,
+        then one whose SSH connection dropped (status 255), then the first that failed.
         """
         own = sorted((t for t in self.tasks if t.ended is not None and t.process.returncode != 0),
                      key=lambda t: t.ended)

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+from typing import Optional
 
 from tfdist.errors import UserError
 
@@ -60,9 +61,14 @@ def burst_bytes(rate: float) -> int:
     return max(2 * _LOOPBACK_MTU, int(rate / 8 / 100))
 
 
+def find_tc() -> Optional[str]:
+    """The tc program: on PATH, or in the sbin directories a non-root PATH often leaves out."""
+    return shutil.which("tc") or next((p for p in ("/usr/sbin/tc", "/sbin/tc") if shutil.which(p)), None)
+
+
 def shape_loopback(rate: float) -> str:
     """Shapes this network namespace's loopback to `rate` bits/s; returns the tc command, for the log."""
-    tc = shutil.which("tc") or next((p for p in ("/usr/sbin/tc", "/sbin/tc") if shutil.which(p)), None)
+    tc = find_tc()
     if tc is None:
         raise UserError("--link_rate shapes the job's loopback with tc, which is not installed here; install "
                         "iproute2 (Debian/Ubuntu: apt-get install iproute2) or leave --link_rate out.")
