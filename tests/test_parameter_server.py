@@ -68,17 +68,22 @@ def test_concurrent_workers_lose_no_update():
 def test_killed_worker_applies_each_step_once_and_the_counter_never_goes_back(tmp_path):
     # The coordinator re-runs an execution whose worker died from its first step, while the steps the dead
     # worker finished are already on the ps: 2037 steps were applied against 2000 counted, and each save
-    # assigned the chief's count into the on-ps counter, backwards. The program's input sleeps per batch, so
-    # the kill (half an execution after the first one finished) lands mid-execution.
-    program = [sys.executable, "tests/programs/ps_kill.py", str(tmp_path / "w")]
+    # assigned the chief's count into the on-ps counter, backwards. Worker 1's input (tests/programs/ps_kill.py)
+    # gives two batches, writes a marker and stalls, so the kill lands with exactly two steps of its execution
+    # claimed: a kill timed from the chief's progress lines missed on a loaded machine.
+    marker = tmp_path / "stalled"
+    program = [sys.executable, "tests/programs/ps_kill.py", str(tmp_path / "w"), str(marker)]
     job = Job(tmp_path, [], launch_args=["--num_ps=1"], wrap=lambda command: command[:command.index("--") + 1] + program)
-    job.wait_for(r"epoch 1: step 5/20")
-    time.sleep(0.35)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-4000:]
+        time.sleep(0.1)
+    time.sleep(2)  # The second step's claim and updates (a few ps round trips) after its batch was taken.
     os.kill(job.pids()["worker:1"], signal.SIGKILL)
     assert job.wait(timeout=120) == 0, job.output[-4000:]
     assert "worker:1 was killed by SIGKILL" in job.output
-    # The kill landed mid-execution: the re-run skipped the steps the dead worker had claimed.
-    assert re.search(r"the [1-4] step\(s\) that worker had claimed were not applied again", job.output), job.output[-4000:]
+    # The re-run on worker 0 skipped the two steps the dead worker had claimed and applied.
+    assert "the 2 step(s) that worker had claimed were not applied again" in job.output, job.output[-4000:]
     assert "applied=40 counter=40 iterations=40 expected=40 drops=0" in job.output, job.output[-4000:]
     assert latest_checkpoint_step(tmp_path / "w") == 40
 
