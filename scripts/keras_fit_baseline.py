@@ -7,10 +7,13 @@ train split as the same stream tfdist-train reads), the same batch, precision
 and XLA setting, Adam with the same learning rate and schedule
 (tfdist.mnist.batching.WarmupCosine: cosine decay to 0 over the run, or constant),
 and the same ``steps_per_execution`` (tfdist's default is 10; Keras' is 1).
-Prints one JSON line with per-epoch training seconds (evaluation excluded),
+With --num_cpu_replicas=N it trains under ``tf.distribute.MirroredStrategy``
+over N logical CPU devices, as Keras' distributed-training guide writes it
+(the benchmark's ``peer_mirrored`` row). Prints one JSON line with per-epoch training seconds (evaluation excluded),
 the held-out accuracy and the versions.
 
   python scripts/keras_fit_baseline.py --epochs=4 --batch_size=128 --steps_per_execution=10
+  python scripts/keras_fit_baseline.py --num_cpu_replicas=2 --steps_per_execution=1
 """
 
 import argparse
@@ -48,33 +51,41 @@ def main() -> None:
     parser.add_argument("--jit_compile", choices=("auto", "true", "false"), default="auto")
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--data_dir", default=None, help="tensorflow-datasets data directory (tfds:NAME).")
+    parser.add_argument("--num_cpu_replicas", type=int, default=0,
+                        help="N >= 2: MirroredStrategy over N logical CPU devices (global batch --batch_size).")
     args = parser.parse_args()
+    import tensorflow as tf
+
+    strategy = tf.distribute.get_strategy()
+    if args.num_cpu_replicas > 1:
+        (cpu,) = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()]
+                                                   * args.num_cpu_replicas)
+        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.num_cpu_replicas)])
     keras.mixed_precision.set_dtype_policy(args.precision)
     digits = data.load_dataset(args.dataset, data_dir=args.data_dir)
     steps = digits.num_train // args.batch_size
     n = steps * args.batch_size  # Whole batches only, as tfdist trains.
     schedule = batching.WarmupCosine(args.learning_rate, 0, steps * args.epochs if args.lr_schedule == "cosine"
                                      else 0)
-    net = model.build_cnn(0)
-    net.compile(optimizer=keras.optimizers.Adam(schedule),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
-                steps_per_execution=args.steps_per_execution,
-                jit_compile={"auto": "auto", "true": True, "false": False}[args.jit_compile])
+    with strategy.scope():
+        net = model.build_cnn(0)
+        net.compile(optimizer=keras.optimizers.Adam(schedule),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                    steps_per_execution=args.steps_per_execution,
+                    jit_compile={"auto": "auto", "true": True, "false": False}[args.jit_compile])
     timer = EpochTimer()
     if digits.train_stream is not None:  # tfds:NAME: the same stream of whole batches tfdist-train reads.
-        import tensorflow as tf
-
         stream = digits.train_stream.dataset_fn(args.batch_size, seed=0)(tf.distribute.InputContext())
         net.fit(stream.repeat(), steps_per_epoch=steps, epochs=args.epochs, callbacks=[timer], verbose=0)
     else:
         net.fit(digits.train_images[:n], digits.train_labels[:n], batch_size=args.batch_size, epochs=args.epochs,
                 shuffle=True, callbacks=[timer], verbose=0)
     _, accuracy = net.evaluate(digits.eval_images, digits.eval_labels, verbose=0)
-    import tensorflow as tf
 
     print(json.dumps({"epoch_train_seconds": timer.seconds, "steps_per_epoch": steps,
                       "global_batch_size": args.batch_size, "steps_per_execution": args.steps_per_execution,
-                      "eval_accuracy": float(accuracy), "precision": args.precision,
+                      "replicas": int(strategy.num_replicas_in_sync), "eval_accuracy": float(accuracy), "precision": args.precision,
                       "tensorflow_version": tf.__version__, "keras_version": keras.__version__}))
 
 

@@ -11,6 +11,7 @@ under mixed precision.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import keras
 import numpy as np
@@ -19,19 +20,24 @@ IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
 
 
-def build_cnn(seed: int = 0) -> keras.Model:
-    """A small CNN: two conv/pool blocks and a dense head (about 0.2M weights)."""
-    init = lambda i: keras.initializers.GlorotUniform(seed=seed * 100 + i)  # noqa: E731
-    inputs = keras.Input(IMAGE_SHAPE, dtype="uint8", name="image")
-    x = keras.layers.Rescaling(1.0 / 255)(inputs)
-    x = keras.layers.Conv2D(32, 3, activation="relu", kernel_initializer=init(1))(x)
-    x = keras.layers.MaxPooling2D()(x)
-    x = keras.layers.Conv2D(64, 3, activation="relu", kernel_initializer=init(2))(x)
-    x = keras.layers.MaxPooling2D()(x)
-    x = keras.layers.Flatten()(x)
-    x = keras.layers.Dense(128, activation="relu", kernel_initializer=init(3))(x)
-    logits = keras.layers.Dense(NUM_CLASSES, dtype="float32", kernel_initializer=init(4), name="logits")(x)
-    return keras.Model(inputs, logits, name="tfdist_cnn")
+def build_cnn(seed: int = 0, keras_module: Any = None) -> keras.Model:
+    """A small CNN: two conv/pool blocks and a dense head (about 0.2M weights).
+
+    `keras_module`: the Keras to build it in (default Keras 3); the benchmark's peer
+    programs pass tf_keras, so both frameworks train the same network, seeded alike.
+    """
+    k = keras_module or keras
+    init = lambda i: k.initializers.GlorotUniform(seed=seed * 100 + i)  # noqa: E731
+    inputs = k.Input(IMAGE_SHAPE, dtype="uint8", name="image")
+    x = k.layers.Rescaling(1.0 / 255)(inputs)
+    x = k.layers.Conv2D(32, 3, activation="relu", kernel_initializer=init(1))(x)
+    x = k.layers.MaxPooling2D()(x)
+    x = k.layers.Conv2D(64, 3, activation="relu", kernel_initializer=init(2))(x)
+    x = k.layers.MaxPooling2D()(x)
+    x = k.layers.Flatten()(x)
+    x = k.layers.Dense(128, activation="relu", kernel_initializer=init(3))(x)
+    logits = k.layers.Dense(NUM_CLASSES, dtype="float32", kernel_initializer=init(4), name="logits")(x)
+    return k.Model(inputs, logits, name="tfdist_cnn")
 
 
 def fingerprint(arrays: list[np.ndarray]) -> str:
