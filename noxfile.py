@@ -64,7 +64,8 @@ def ensure_sshd(session: nox.Session) -> None:
 @nox.session(name="tests-tf2.21")
 def tests_tf221(session: nox.Session) -> None:
     ensure_sshd(session)
-    session.install("tensorflow==2.21.0", "-e", ".[test,bench]")
+    # tf_keras for the benchmark's peer programs (tests/test_peers.py), at the TensorFlow's own minor version.
+    session.install("tensorflow==2.21.0", "tf_keras==2.21.0", "-e", ".[test,bench]")
     session.run(*PYTEST, *session.posargs)
 
 
@@ -72,7 +73,7 @@ def tests_tf221(session: nox.Session) -> None:
 def tests_tf218_horovod(session: nox.Session) -> None:
     ensure_sshd(session)
     # tensorflow-metadata >= 1.17 needs protobuf >= 6, which TensorFlow 2.18 excludes.
-    session.install("tensorflow==2.18.1", "tensorflow-metadata<1.17", "-e", ".[test]")
+    session.install("tensorflow==2.18.1", "tensorflow-metadata<1.17", "tf_keras==2.18.0", "-e", ".[test]")
     session.install("setuptools>=65,<81", "wheel")  # horovod builds with the machine's cmake and g++.
     session.install("--no-build-isolation", "horovod==0.28.1", env=HOROVOD_BUILD_ENV)
     session.run("python", "-c", "import horovod.tensorflow as h; assert h.gloo_built(), 'horovod built without Gloo'")

@@ -30,7 +30,8 @@ def bench():
 
 CPU_ROWS = ["fit", "input", "bf16", "jit", "mwms", "allreduce", "ar_bf16", "ar_pack", "ps",
             "sharded_vs_keras_sgd", "sharded_vs_keras_adagrad", "rows_1m_vs_10k",
-            "spe1", "spe2", "spe5", "spe10", "spe20", "spe50"]
+            "spe1", "spe2", "spe5", "spe10", "spe20", "spe50", "peer_mwms", "peer_ps", "peer_mirrored",
+            "comm_mwms", "comm_tf_keras", "comm_bf16", "comm_accum", "comm_ps"]
 
 
 def test_cpu_only_machine_gets_cpu_rows_pinned_to_the_cpu(bench):
@@ -151,3 +152,75 @@ def test_communication_rows_change_one_setting_and_pass_horovod_env_only_to_thei
         assert "HOROVOD_CYCLE_TIME" not in bench._env(cycle.b)
     finally:
         del os.environ["HOROVOD_CYCLE_TIME"]
+
+
+def test_peer_rows_match_the_peer_in_everything_but_the_program(bench):
+    rows = {r.name: r for r in bench.select_rows(["peers"], gpus=0)}
+    assert list(rows) == ["peer_mwms", "peer_ps", "peer_mirrored"]  # peer_horovod needs a Horovod Python.
+    for name, launcher in (("peer_mwms", ("launch", "2")), ("peer_ps", ("launch_ps", "2", "1"))):
+        row = rows[name]
+        assert row.a.launcher == row.b.launcher == launcher and row.b.program == "peer_tf_keras"
+        for flag in ("--epochs=4", "--precision=float32", "--steps_per_execution=10", "--learning_rate=0.003",
+                     "--lr_schedule=constant"):
+            assert flag in row.a.flags and flag in row.b.flags, (name, flag)
+        assert "--global_batch_size=128" in row.a.flags and "--batch_size=128" in row.b.flags
+        assert row.b.command("W")[-len(row.b.flags) - 1].endswith("scripts/peer_tf_keras.py")
+    mirrored = rows["peer_mirrored"]
+    assert "--num_cpu_replicas=2" in mirrored.a.flags and "--num_cpu_replicas=2" in mirrored.b.flags
+    assert "--steps_per_execution=1" in mirrored.b.flags and "--steps_per_execution=10" in mirrored.a.flags
+    assert "keras-team/keras#19246" in mirrored.title
+    skipped = bench.skipped_groups(["peers"], 0, bench.Settings())
+    assert "horovod" in skipped["peer_horovod"]
+    settings = bench.Settings(horovod_python="/opt/hvd/bin/python")
+    horovod = {r.name: r for r in bench.select_rows(["peers"], gpus=0, settings=settings)}["peer_horovod"]
+    assert horovod.a.command("W")[0] == horovod.b.command("W")[0] == "/opt/hvd/bin/horovodrun"
+    assert horovod.b.program == "peer_horovod" and horovod.b.python == "/opt/hvd/bin/python"
+
+
+def test_comm_rows_shape_the_link_and_change_one_thing(bench):
+    rows = {r.name: r for r in bench.select_rows(["comm"], gpus=0)}
+    assert list(rows) == ["comm_mwms", "comm_tf_keras", "comm_bf16", "comm_accum", "comm_ps"]
+    for row in rows.values():
+        assert row.a.link_rate == "1gbit" and "--link_rate=1gbit" in row.a.command("W")
+    ideal = rows["comm_mwms"]
+    assert ideal.score == "ideal" and ideal.b.launcher == ("parallel", "2") and ideal.b.link_rate is None
+    assert "--batch=512" in ideal.b.flags and "--batch=1024" in ideal.a.flags
+    assert ideal.b.command("W")[:2] == [sys.executable, os.path.join(REPO, "scripts", "comm_mlp.py")]
+    for name, flag in (("comm_tf_keras", "--framework="), ("comm_bf16", "--all_reduce_dtype=")):
+        a, b = rows[name].a.flags, rows[name].b.flags
+        assert [f for f in a if not f.startswith(flag)] == [f for f in b if not f.startswith(flag)] and a != b
+    accum = rows["comm_accum"]
+    assert "--grad_accum_steps=4" in accum.a.flags and "--batch=4096" in accum.a.flags
+    assert rows["comm_ps"].a.launcher == rows["comm_ps"].b.launcher == ("launch_ps", "2", "1")
+
+
+def test_the_ideal_step_is_max_of_compute_and_ring_bytes_over_the_link(bench):
+    from benchlib import stats
+
+    # 10,539,048 gradient bytes a step, twice over one 1 Gbit/s link: 168.6 ms.
+    ideal = stats.ideal_step(110.0, 10_539_048, "1gbit")
+    assert ideal["comm_ms"] == pytest.approx(168.62, abs=0.01) and ideal["ideal_ms"] == ideal["comm_ms"]
+    assert ideal["serial_ms"] == pytest.approx(278.62, abs=0.01)
+    assert stats.ideal_step(200.0, 1_000_000, "100mbit")["comm_ms"] == pytest.approx(160.0)
+    assert stats.ideal_step(200.0, 1_000_000, "100mbit")["ideal_ms"] == 200.0
+
+
+def test_an_ideal_scored_row_is_met_by_the_ideal_over_the_measured_step(bench):
+    def fake(side):
+        seconds = 1.6 if side.launcher == ("launch", "2") else 0.88  # 200 ms vs 110 ms a step, 8 steps an epoch.
+        return {"epoch_train_seconds": [9.0, seconds, seconds], "steps_per_epoch": 8, "global_batch_size": 1024,
+                "gradient_bytes": 10_539_048, "process_seconds": 1.0}
+
+    (row, *_) = bench.select_rows(["comm"], gpus=0)
+    result = bench.measure(row, repeats=1, run=fake)
+    assert result["extra"]["ideal_ms"] == pytest.approx(168.62, abs=0.01)
+    assert result["scored"] == pytest.approx(168.62 / 200, abs=1e-3) and result["target_met"] is False
+
+
+def test_printed_figures_are_found_behind_a_launcher_prefix(bench):
+    from benchlib import runner
+
+    out = 'noise\n[worker:0] BENCH {"steps_per_epoch": 3}\n[worker:1] done\n'
+    assert runner.printed_metrics(out) == {"steps_per_epoch": 3}
+    assert runner.printed_metrics('{"a": 1}\n') == {"a": 1}
+    assert runner.printed_metrics("nothing\n") is None
