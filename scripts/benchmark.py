@@ -74,7 +74,7 @@ from benchlib.machine import count_gpus, machine_facts  # noqa: E402
 from benchlib.rows import (REPO, SPE_SWEEP, TARGETS, Row, Settings, Side, CPU_GROUPS, GPU_GROUPS,  # noqa: E402,F401
                            expand, select_rows, skipped_groups)
 from benchlib.runner import _env, measure, run_side  # noqa: E402,F401
-from benchlib.stats import overhead_model  # noqa: E402
+from benchlib.stats import overhead_model, scaling_model, scaling_table  # noqa: E402
 
 
 def _print_row(result: dict) -> None:
@@ -154,11 +154,14 @@ def main(argv: Optional[Sequence[str]] = None, run: Callable[[Side], dict] = run
                             "keras_median": r["b"]["median"], "ratio": r["ratio_a_over_b"]}
                            for r in report["rows"] if r["spe"] is not None]
     report["spe_overhead_model"] = overhead_model(report["rows"])
+    report["scaling_model"] = scaling_model(report["rows"])
     report["duration_seconds"] = round(time.perf_counter() - start, 1)
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {json_path} ({report['duration_seconds']:.0f} s)", flush=True)
     print(markdown_table(report), flush=True)
+    if report["scaling_model"]:
+        print(json.dumps(report["scaling_model"]["checks"]), "\n" + scaling_table(report["scaling_model"]), flush=True)
     if not args.no_chart and report["rows"]:
         png = os.path.join(args.out_dir, "benchmark.png")
         draw(report, png)

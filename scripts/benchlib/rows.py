@@ -91,9 +91,9 @@ def launcher_command(launcher: Sequence[str], python: str, link_rate: Optional[s
     shaped = [f"--link_rate={link_rate}"] if link_rate else []
     if kind == "launch":
         return [python, "-m", "tfdist.cli.launch", f"--num_workers={numbers[0]}", *shaped, "--"]
-    if kind == "launch_ps":
+    if kind == "launch_ps":  # --grace_s=3: the peers' servers join forever (as TensorFlow's tutorial writes them).
         return [python, "-m", "tfdist.cli.launch", f"--num_workers={numbers[0]}", f"--num_ps={numbers[1]}",
-                *shaped, "--"]
+                "--grace_s=3", *shaped, "--"]
     if kind == "horovodrun":
         horovodrun = os.path.join(os.path.dirname(python), "horovodrun")
         return [horovodrun, "-np", numbers[0], "-H", f"localhost:{numbers[0]}", "--gloo"]

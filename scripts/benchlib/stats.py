@@ -4,7 +4,7 @@ communication-bound step, and the steps_per_execution overhead fit."""
 from __future__ import annotations
 
 import statistics
-from typing import Optional
+from typing import Optional, Sequence
 
 from benchlib.rows import Side
 
@@ -94,3 +94,65 @@ def overhead_model(results: list[dict]) -> dict:
 
 def target_met(target: Optional[float], score: float) -> Optional[bool]:
     return None if target is None else score >= target
+
+
+def scaling_model(rows: list[dict], workers: Sequence[int] = (2, 4, 8, 16, 32, 64),
+                  rates: Sequence[str] = ("10gbit", "100gbit")) -> dict:
+    """Projected weak-scaling efficiency of the comm MLP from the comm rows' measurements.
+
+    Calibrated on this machine: compute per step t_c (comm_mwms's compute-alone
+    side, per worker at batch 512) and the link's efficiency eta, the nominal
+    over the measured time to move a step's gradients on 2 workers (comm_mwms's
+    step less t_c, against bytes x 2 / rate). On a cluster each worker has its
+    own link of rate R, and a ring all-reduce sends 2 (N - 1) / N x G bytes a
+    worker, so t_comm(N) = 2 (N - 1) / N x G x 8 / (R x eta). Efficiency is
+    t_c over the step: without overlap t_c + t_comm; with ideal overlap of the
+    backward pass (two thirds of t_c) t_c / 3 + max(2 t_c / 3, t_comm);
+    bfloat16 all-reduce halves G. It is checked against the rows it was not
+    fitted to: the bf16 and accumulation steps it predicts at 1 Gbit/s on 2 workers.
+    """
+    by_name = {r["row"]: r for r in rows}
+    if "comm_mwms" not in by_name:
+        return {}
+    row = by_name["comm_mwms"]
+    extra = row["extra"]
+    compute, gradient_bytes = extra["compute_ms"], extra["gradient_bytes"]
+    measured_comm = max(1e-9, row["a_step_ms"] - compute)
+    eta = extra["comm_ms"] / measured_comm
+
+    def comm_ms(n: int, rate: str, dtype_bytes: int = 4) -> float:
+        return 1000 * 2 * (n - 1) / n * gradient_bytes * dtype_bytes / 4 * 8 / (parse_rate(rate) * eta)
+
+    def efficiency(n: int, rate: str, overlap: bool, dtype_bytes: int) -> float:
+        t = comm_ms(n, rate, dtype_bytes)
+        step = compute / 3 + max(2 * compute / 3, t) if overlap else compute + t
+        return round(compute / step, 3)
+
+    table = {rate: {f"{'overlap' if o else 'serial'}_{'bf16' if d == 2 else 'fp32'}":
+                    {str(n): efficiency(n, rate, o, d) for n in workers}
+                    for o in (False, True) for d in (4, 2)} for rate in rates}
+    checks = {}
+    one_gbit = extra["link_rate"]
+    if "comm_bf16" in by_name:
+        checks["comm_bf16_step_ms"] = {"predicted": round(compute + comm_ms(2, one_gbit, 2), 1),
+                                       "measured": by_name["comm_bf16"]["a_step_ms"]}
+    if "comm_accum" in by_name:
+        k = by_name["comm_accum"]["a"]["global_batch_size"] // by_name["comm_accum"]["b"]["global_batch_size"]
+        checks["comm_accum_step_ms"] = {"predicted": round(k * compute + comm_ms(2, one_gbit), 1),
+                                        "measured": by_name["comm_accum"]["a_step_ms"], "k": k}
+    return {"compute_ms": compute, "gradient_bytes": gradient_bytes, "link_efficiency": round(eta, 3),
+            "efficiency": table, "checks": checks}
+
+
+def scaling_table(model: dict) -> str:
+    """The README's scaling table: efficiency by worker count, per rate and mode."""
+    if not model:
+        return ""
+    counts = list(next(iter(next(iter(model["efficiency"].values())).values())))
+    lines = ["| link | mode | " + " | ".join(f"{n} workers" for n in counts) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in counts) + " |"]
+    for rate, modes in model["efficiency"].items():
+        for mode, values in modes.items():
+            lines.append(f"| {rate} | {mode.replace('_', ', ')} | " + " | ".join(f"{v:.2f}" for v in values.values())
+                         + " |")
+    return "\n".join(lines)
