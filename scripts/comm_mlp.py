@@ -14,7 +14,8 @@ same rate and steps per execution; only the framework differs:
 
 The chief (worker 0 without a chief task) prints one line ``BENCH {json}``
 with per-epoch training seconds (Keras' epoch callbacks; evaluation is not run),
-the steps per epoch, the global batch, the gradient bytes per step and the
+the steps per epoch, the global batch, the gradient bytes per step, the bytes
+the job's loopback carried per step (epochs 2..N; all tasks' traffic) and the
 final loss. The other tasks print nothing of it.
 
   tfdist-launch --num_workers=2 --link_rate=1gbit -- python scripts/comm_mlp.py --framework=tfdist
@@ -69,16 +70,32 @@ def build(keras, args):
     return model
 
 
+def loopback_bytes() -> int:
+    """Bytes sent on this network namespace's loopback so far (tfdist-launch gives each job its own)."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[8])  # Transmit bytes.
+    except OSError:
+        pass
+    return 0
+
+
 def timer_class(keras):
     class EpochTimer(keras.callbacks.Callback):
+        """Per-epoch seconds, the last loss, and the loopback bytes a steady epoch (2..N) sent."""
+
         def on_train_begin(self, logs=None):
-            self.seconds, self.loss = [], None
+            self.seconds, self.loss, self.bytes = [], None, []
 
         def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+            self.start, self.start_bytes = time.perf_counter(), loopback_bytes()
 
         def on_epoch_end(self, epoch, logs=None):
             self.seconds.append(time.perf_counter() - self.start)
+            self.bytes.append(loopback_bytes() - self.start_bytes)
             self.loss = (logs or {}).get("loss")
 
     return EpochTimer
@@ -103,6 +120,8 @@ def report(args, timer, model, framework_version: str, is_chief: bool) -> None:
         "framework": args.framework, "framework_version": framework_version,
         "all_reduce_dtype": args.all_reduce_dtype, "grad_accum_steps": args.grad_accum_steps,
         "steps_per_execution": args.steps_per_execution,
+        "link_bytes_per_step": round(sum(timer.bytes[1:] or timer.bytes) / (len(timer.bytes[1:] or timer.bytes)
+                                                                        * args.steps_per_epoch)),
         "loss": None if timer.loss is None else float(timer.loss)}), flush=True)
 
 
