@@ -88,6 +88,10 @@ def _print_row(result: dict) -> None:
           f"{a['eval_accuracy']} vs {b['eval_accuracy']}; ms/step {result['a_step_ms']} vs {result['b_step_ms']})"
           f"{target}"
           + (f" {result['extra']}" if "extra" in result else ""), flush=True)
+    for side in (a, b):
+        if side["exit_status"] != [0]:
+            print(f"{'':>14}  note: {side['label']} printed its figures but exited with {side['exit_status']}",
+                  flush=True)
 
 
 def default_horovod_python() -> Optional[str]:

@@ -139,7 +139,7 @@ def run_tfdist(args) -> None:
                       steps_per_execution=args.steps_per_execution)
     x, y = synthetic(args)
     timer = timer_class(keras)()
-    tfdist.fit(model, x, y, batch_size=args.batch, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
+    tfdist.fit(model, x, y, batch_size=args.batch, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, shuffle=False,
                grad_accum_steps=args.grad_accum_steps, callbacks=[timer], verbose=0, export=())
     report(args, timer, model, "tfdist, keras " + keras.__version__, is_chief())
 

@@ -224,3 +224,23 @@ def test_printed_figures_are_found_behind_a_launcher_prefix(bench):
     assert runner.printed_metrics(out) == {"steps_per_epoch": 3}
     assert runner.printed_metrics('{"a": 1}\n') == {"a": 1}
     assert runner.printed_metrics("nothing\n") is None
+
+
+def test_the_scaling_model_reproduces_its_calibration_step_and_predicts_the_others(bench):
+    from benchlib import stats
+
+    def row(name, step, extra=None, batches=(1024, 1024)):
+        return {"row": name, "a_step_ms": step, "extra": extra or {},
+                "a": {"global_batch_size": batches[0]}, "b": {"global_batch_size": batches[1]}}
+
+    ideal = stats.ideal_step(100.0, 10_000_000, "1gbit")  # comm 160 ms nominal.
+    rows = [row("comm_mwms", 300.0, {**ideal, "gradient_bytes": 10_000_000, "link_rate": "1gbit"}),
+            row("comm_bf16", 200.0), row("comm_accum", 600.0, batches=(4096, 1024))]
+    model = stats.scaling_model(rows)
+    assert model["link_efficiency"] == pytest.approx(160 / 200)
+    assert model["checks"]["comm_mwms_step_ms"] == {"predicted": 300.0, "measured": 300.0}
+    assert model["checks"]["comm_bf16_step_ms"]["predicted"] == 200.0  # 100 + 200 / 2.
+    assert model["checks"]["comm_accum_step_ms"]["predicted"] == 600.0  # 4 x 100 + 200.
+    # 10 Gbit/s, 2 workers, own links: 1 x 10 MB x 8 / (10 Gbit/s x 0.8) = 10 ms; 100 / 110.
+    assert model["efficiency"]["10gbit"]["serial_fp32"]["2"] == pytest.approx(100 / 110, abs=1e-3)
+    assert "| 10gbit | serial, fp32 | 0.91 |" in stats.scaling_table(model)

@@ -10,6 +10,7 @@ recorded; a tfdist side must exit 0.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -37,9 +38,15 @@ def printed_metrics(stdout: str) -> Optional[dict]:
     """The last ``BENCH {json}`` line (or bare JSON line) a run printed, whatever prefix a launcher added."""
     for line in reversed(stdout.strip().splitlines()):
         if "BENCH {" in line:
-            return json.loads(line[line.index("BENCH {") + len("BENCH "):])
-        if line.startswith("{"):
-            return json.loads(line)
+            text = line[line.index("BENCH {") + len("BENCH "):]
+        elif line.startswith("{"):
+            text = line
+        else:
+            continue
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RuntimeError(f"a run printed figures that are not JSON ({e}): {line[:300]}") from None
     return None
 
 
@@ -59,7 +66,9 @@ def run_side(side: Side) -> dict:
     with tempfile.TemporaryDirectory(prefix="tfdist-bench-") as tmp:
         workdir = os.path.join(tmp, "w")
         start = time.perf_counter()
-        outputs = [(p, *p.communicate()) for p in _start(side, workdir)]
+        processes = _start(side, workdir)
+        with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:  # Drain every copy's pipes at once.
+            outputs = list(pool.map(lambda p: (p, *p.communicate()), processes))
         process, stdout, stderr = outputs[0]
         failed = [(p, out, err) for p, out, err in outputs if p.returncode]
         metrics = None
