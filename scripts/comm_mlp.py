@@ -27,9 +27,10 @@ import argparse
 import json
 import math
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from benchlib import programs  # noqa: E402  (scripts/ is on sys.path: run as a file)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,34 +85,26 @@ def loopback_bytes() -> int:
 
 
 def timer_class(keras):
-    class EpochTimer(keras.callbacks.Callback):
-        """Per-epoch seconds, the last loss, and the loopback bytes a steady epoch (2..N) sent."""
+    class LinkTimer(programs.epoch_timer(keras)):
+        """Also the bytes the loopback carried each epoch."""
 
         def on_train_begin(self, logs=None):
-            self.seconds, self.loss, self.bytes = [], None, []
+            super().on_train_begin(logs)
+            self.bytes = []
 
         def on_epoch_begin(self, epoch, logs=None):
-            self.start, self.start_bytes = time.perf_counter(), loopback_bytes()
+            super().on_epoch_begin(epoch, logs)
+            self.start_bytes = loopback_bytes()
 
         def on_epoch_end(self, epoch, logs=None):
-            self.seconds.append(time.perf_counter() - self.start)
+            super().on_epoch_end(epoch, logs)
             self.bytes.append(loopback_bytes() - self.start_bytes)
-            self.loss = (logs or {}).get("loss")
 
-    return EpochTimer
-
-
-def is_chief() -> bool:
-    """The task that reports: the chief, or worker 0 where there is none (or no TF_CONFIG at all)."""
-    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    task = config.get("task", {})
-    if "chief" in config.get("cluster", {}):
-        return task.get("type") == "chief"
-    return task.get("type", "worker") == "worker" and int(task.get("index", 0)) == 0
+    return LinkTimer
 
 
-def report(args, timer, model, framework_version: str, is_chief: bool) -> None:
-    if not is_chief:
+def report(args, timer, model, framework_version: str) -> None:
+    if not programs.reports_here():
         return
     params = int(sum(math.prod(int(d) for d in w.shape) for w in model.trainable_weights))
     print("BENCH " + json.dumps({
@@ -122,7 +115,7 @@ def report(args, timer, model, framework_version: str, is_chief: bool) -> None:
         "steps_per_execution": args.steps_per_execution,
         "link_bytes_per_step": round(sum(timer.bytes[1:] or timer.bytes) / (len(timer.bytes[1:] or timer.bytes)
                                                                         * args.steps_per_epoch)),
-        "loss": None if timer.loss is None else float(timer.loss)}), flush=True)
+        "loss": None if timer.last_loss is None else float(timer.last_loss)}), flush=True)
 
 
 def run_tfdist(args) -> None:
@@ -141,7 +134,7 @@ def run_tfdist(args) -> None:
     timer = timer_class(keras)()
     tfdist.fit(model, x, y, batch_size=args.batch, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, shuffle=False,
                grad_accum_steps=args.grad_accum_steps, callbacks=[timer], verbose=0, export=())
-    report(args, timer, model, "tfdist, keras " + keras.__version__, is_chief())
+    report(args, timer, model, "tfdist, keras " + keras.__version__)
 
 
 def run_tf_keras(args) -> None:
@@ -176,7 +169,7 @@ def run_tf_keras(args) -> None:
                       steps_per_execution=args.steps_per_execution)
     timer = timer_class(keras)()
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, callbacks=[timer], verbose=0)
-    report(args, timer, model, "tf_keras " + keras.__version__, is_chief())
+    report(args, timer, model, "tf_keras " + keras.__version__)
 
 
 def main(argv=None) -> None:

@@ -19,25 +19,16 @@ the held-out accuracy and the versions.
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 
+from benchlib import programs  # noqa: E402  (scripts/ is on sys.path: run as a file)
 from tfdist.mnist import batching, data, model  # noqa: E402
 
 
-class EpochTimer(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self.start)
-        self.last_loss = (logs or {}).get("loss")
+EpochTimer = programs.epoch_timer(keras)  # scripts/ps_embedding.py imports it from here.
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"  # Before TensorFlow is imported: tf.keras is tf_keras.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,6 +29,7 @@ import sys  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
+from benchlib import programs  # noqa: E402  (scripts/ is on sys.path: run as a file)
 from tfdist.mnist import data, model  # noqa: E402
 
 
@@ -54,15 +54,7 @@ def import_horovod_keras():
 hvd = import_horovod_keras()
 
 
-class EpochTimer(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self.start)
+EpochTimer = programs.epoch_timer(keras)
 
 
 def main() -> None:

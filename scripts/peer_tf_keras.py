@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"  # Before TensorFlow is imported: tf.keras is tf_keras.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -35,18 +34,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
+from benchlib import programs  # noqa: E402  (scripts/ is on sys.path: run as a file)
 from tfdist.mnist import data, model  # noqa: E402
 
 
-class EpochTimer(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self.start)
+EpochTimer = programs.epoch_timer(keras)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def strategy_from_tf_config() -> tuple[object, dict]:
+def strategy_from_tf_config() -> object:
     """The tutorials' strategy for this TF_CONFIG; ps and worker tasks of a ps job serve and never return."""
     config = json.loads(os.environ.get("TF_CONFIG") or "{}")
     task = config.get("task", {})
@@ -71,22 +63,15 @@ def strategy_from_tf_config() -> tuple[object, dict]:
             server = tf.distribute.Server(resolver.cluster_spec(), job_name=task["type"], task_index=task["index"],
                                           protocol=resolver.rpc_layer or "grpc", start=True)
             server.join()
-        return tf.distribute.ParameterServerStrategy(resolver), task
+        return tf.distribute.ParameterServerStrategy(resolver)
     if config:
-        return tf.distribute.MultiWorkerMirroredStrategy(), task
-    return tf.distribute.get_strategy(), task
-
-
-def reports(config_task: dict) -> bool:
-    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    if "chief" in config.get("cluster", {}):
-        return config_task.get("type") == "chief"
-    return int(config_task.get("index", 0)) == 0
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    return tf.distribute.get_strategy()
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    strategy, task = strategy_from_tf_config()
+    strategy = strategy_from_tf_config()
     digits = data.load_dataset("mnist")
     steps = digits.num_train // args.batch_size
     images, labels = digits.train_images[:steps * args.batch_size], digits.train_labels[:steps * args.batch_size]
@@ -116,7 +101,7 @@ def main(argv=None) -> None:
     else:
         evaluator = net  # Every MWMS worker evaluates: it is a collective.
     _, accuracy = evaluator.evaluate(digits.eval_images, digits.eval_labels, verbose=0, batch_size=500)
-    if not reports(task):
+    if not programs.reports_here():
         return
     print("BENCH " + json.dumps({
         "epoch_train_seconds": timer.seconds, "steps_per_epoch": steps, "global_batch_size": args.batch_size,

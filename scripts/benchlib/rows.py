@@ -35,7 +35,8 @@ PS_EMB_LEARNING_RATE = 0.05
 # comm: scripts/comm_mlp.py (512 -> 3 x 1024 -> 10, 2.63M float32 weights: 10.5 MB of gradients a step), global
 # batch 1024, on a loopback shaped to COMM_RATE. At 1 Gbit/s moving a step's gradients (x 2: both workers' ring
 # traffic shares the link) takes 169 ms; computing the step on one of the 2 cores about 110 ms.
-COMM_RATE, COMM_BATCH, COMM_EXAMPLES, COMM_STEPS, COMM_SPE, COMM_ACCUM = "1gbit", 1024, 8192, 8, 4, 4
+COMM_RATE, COMM_BATCH, COMM_STEPS, COMM_SPE, COMM_ACCUM = "1gbit", 1024, 8, 4, 4
+COMM_EXAMPLES = COMM_BATCH * COMM_ACCUM * COMM_STEPS  # One epoch of the accumulating side; every side reads them.
 PROGRAMS = {  # Side.program -> script (None: tfdist-train).
     "tfdist": None, "keras": "keras_fit_baseline.py", "ps_embedding": "ps_embedding.py",
     "peer_tf_keras": "peer_tf_keras.py", "peer_horovod": "peer_horovod_keras.py", "comm_mlp": "comm_mlp.py"}
@@ -133,7 +134,7 @@ def _keras(label: str, *flags: str, settings: Settings, precision: Optional[str]
 
 def _comm(label: str, *flags: str, settings: Settings, framework: str = "tfdist", batch: int = COMM_BATCH,
           launcher: tuple[str, ...] = ("launch", "2"), link_rate: Optional[str] = COMM_RATE, **side: object) -> Side:
-    return Side(label, "comm_mlp", (f"--framework={framework}", f"--batch={batch}", f"--examples={COMM_EXAMPLES * 4}",
+    return Side(label, "comm_mlp", (f"--framework={framework}", f"--batch={batch}", f"--examples={COMM_EXAMPLES}",
                                     f"--steps_per_epoch={COMM_STEPS}", f"--epochs={settings.epochs}",
                                     f"--steps_per_execution={COMM_SPE}", *flags),
                 launcher=launcher, link_rate=link_rate, **side)
