@@ -237,7 +237,8 @@ def test_bad_input_is_refused_before_training():
     model = dense_model()
     bad(r"disagree on the number of examples \(x: 64, y: 63\)", model, X[:64], Y[:63], batch_size=32)
     bad(r"batch_size=0", model, X[:64], Y[:64], batch_size=0)
-    bad(r"validation_data must be a tuple", model, X[:64], Y[:64], batch_size=32, validation_data=X[:10])
+    bad(r"validation_data must be \(x_val,\), \(x_val, y_val\) or \(x_val, y_val, sample_weight_val\), not a tuple of "
+        r"length 4", model, X[:64], Y[:64], batch_size=32, validation_data=(X[:10],) * 4)
     dict_model = EXAMPLE.build_model()
     dict_model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     bad(r"keys of x/y \(image, pixels\) do not match the model's inputs \(image, rows\)", dict_model,
@@ -466,3 +467,61 @@ def test_a_partial_last_step_with_sparse_gradients_trains_as_keras_on_two_replic
     assert int(model.optimizer.iterations.numpy()) == 14
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+# Keras forms that earlier versions broke (issue 29) ---------------------------------------
+def test_list_inputs_no_y_and_synchronized_batch_norm_match_keras_on_two_replicas():
+    """x=[left, right] stays two inputs; y=None trains on add_loss; synchronized BatchNormalization takes
+    the global batch's statistics: each as Keras' own fit on one device (SGD, float32, 1e-5)."""
+    from tests import keras_forms as forms
+
+    siamese_ref, endpoint_ref = forms.siamese(), forms.endpoint()
+    expected = forms.fit_siamese(forms.keras_fit, siamese_ref).history
+    expected_endpoint = forms.fit_endpoint(forms.keras_fit, endpoint_ref, validation_split=0.25).history
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        siamese, unsynchronized, endpoint = forms.siamese(), forms.siamese(synchronized=False), forms.endpoint()
+    history = forms.fit_siamese(tfdist.fit, siamese).history
+    forms.fit_siamese(tfdist.fit, unsynchronized)
+    history_endpoint = forms.fit_endpoint(tfdist.fit, endpoint, validation_split=0.25).history
+    for got, wanted, model, reference in ((history, expected, siamese, siamese_ref),
+                                          (history_endpoint, expected_endpoint, endpoint, endpoint_ref)):
+        assert set(got) == set(wanted)
+        for key in wanted:
+            np.testing.assert_allclose(got[key], wanted[key], atol=1e-5, err_msg=key)
+        for a, b in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    # Per-replica statistics (the default) train differently: the synchronized match is not a given.
+    assert max(float(np.abs(a - b).max()) for a, b in zip(unsynchronized.get_weights(),
+                                                           siamese_ref.get_weights())) > 1e-3
+    np.testing.assert_allclose(tfdist.evaluate(siamese, forms.SIAMESE_X, forms.SIAMESE_Y, verbose=0),
+                               siamese_ref.evaluate(forms.SIAMESE_X, forms.SIAMESE_Y, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(tfdist.predict(siamese, forms.SIAMESE_X, verbose=0),
+                               siamese_ref.predict(forms.SIAMESE_X, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(tfdist.evaluate(endpoint, forms.ENDPOINT_X, verbose=0),
+                               endpoint_ref.evaluate(forms.ENDPOINT_X, verbose=0), atol=1e-5)
+
+
+def test_sample_weight_without_targets_is_refused():
+    from tests import keras_forms as forms
+
+    tfdist.make_strategy("default", precision="float32")
+    bad(r"x/y has sample weights but no targets", forms.endpoint(), forms.ENDPOINT_X,
+        sample_weight=np.ones(128), batch_size=32)
+
+
+@pytest.mark.jobs
+def test_two_workers_train_keras_forms_as_keras_with_bit_identical_embeddings(tmp_path):
+    """List inputs, no y, synchronized BatchNormalization, an Embedding's sparse updates and the script's
+    own file (tfdist.task_path) on 2 MultiWorkerMirrored workers (tests/programs/keras_forms.py)."""
+    import subprocess
+    import sys
+
+    from tests import keras_forms as forms
+    from tests.conftest import subprocess_env
+
+    result = subprocess.run([sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2", "--", sys.executable,
+                             "tests/programs/keras_forms.py", str(tmp_path), "multi_worker_mirrored"],
+                            capture_output=True, text=True, timeout=240, cwd=REPO, env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    forms.check_job(tmp_path)

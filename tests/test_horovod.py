@@ -69,6 +69,18 @@ def test_ranks_read_disjoint_data_and_start_from_identical_weights(tmp_path):
 
 
 @needs_horovod
+def test_two_ranks_train_keras_forms_as_keras_with_synchronized_batch_norm(tmp_path):
+    """List inputs, no y, BatchNormalization(synchronized=True) (through Horovod: no replica context),
+    an Embedding and the script's own file (tfdist.task_path) on 2 ranks (tests/programs/keras_forms.py)."""
+    from tests import keras_forms
+
+    result = horovodrun([sys.executable, os.path.join(REPO, "tests", "programs", "keras_forms.py"), str(tmp_path),
+                         "horovod"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    keras_forms.check_job(tmp_path)
+
+
+@needs_horovod
 def test_env_reports_horovod_build():
     result = subprocess.run([sys.executable, "-m", "tfdist.cli.env", "--json"], capture_output=True, text=True,
                             env=subprocess_env(), cwd=REPO, timeout=120)

@@ -3,6 +3,7 @@
 import threading
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 from keras.src.losses import loss as loss_module
@@ -58,3 +59,69 @@ def test_a_missing_keras_internal_is_named(monkeypatch):
     with pytest.raises(tfdist.UserError, match=r"does not have: keras.src.losses.loss.unscale_loss_for_distribution\. "
                                                r"Install a Keras 3 release"):
         keras_hooks.check_internals(model)
+
+
+def test_a_replacement_that_fails_to_build_leaves_nothing_behind():
+    owner = type("Owner", (), {})()
+
+    def broken(before, key):
+        raise RuntimeError("cannot build")
+
+    with pytest.raises(RuntimeError):
+        with keras_hooks._replaced(owner, "method", broken):
+            pass
+    assert not any(entry[0] is owner for entry in keras_hooks._installed.values())
+    with keras_hooks._replaced(owner, "method", lambda before, key: "installed"):  # The next entry installs.
+        assert owner.method == "installed"
+    assert "method" not in vars(owner)
+
+
+def test_sparse_increments_add_each_row_once_in_a_fixed_order():
+    """The optimizer's scatter gets one row per index: the same sum, added in input order."""
+    optimizer = keras.optimizers.SGD(0.1)
+    variable = keras.Variable(tf.zeros((4, 2)))
+    optimizer.build([variable])
+    sent = []
+    kind = type(variable.value)  # The tf.Variable class Keras' optimizer scatters into.
+    original = kind.scatter_add
+
+    def recording(self, sparse_delta, *args, **kwargs):
+        sent.append(sparse_delta)
+        return original(self, sparse_delta, *args, **kwargs)
+
+    increment = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), tf.constant([2, 0, 2]),
+                                 tf.constant([4, 2]))
+    kind.scatter_add = recording
+    try:
+        with keras_hooks.no_gradient_sum(optimizer):
+            optimizer.assign_add(variable, increment)
+    finally:
+        kind.scatter_add = original
+    assert [list(s.indices.numpy()) for s in sent] == [[2, 0]]
+    assert sent[0].values.numpy().tolist() == [[6.0, 8.0], [3.0, 4.0]]
+    assert variable.numpy().tolist() == [[3.0, 4.0], [0.0, 0.0], [6.0, 8.0], [0.0, 0.0]]
+    assert "assign_add" not in vars(optimizer)
+
+
+def test_synchronized_moments_sum_through_the_given_replica_sum():
+    """Under Horovod (no replica context) synchronized BatchNormalization's sums go through `replica_sum`:
+    here a stand-in for two ranks whose other half is the same batch, so the moments are those of it twice."""
+    from keras.src.backend.tensorflow import nn as tf_nn
+
+    calls = []
+
+    def two_ranks(tensors):
+        calls.append(len(tensors))
+        return [2.0 * t for t in tensors]
+
+    x = tf.constant([[1.0, 2.0], [3.0, 8.0], [5.0, 2.0]])
+    expected = [t.numpy() for t in tf.nn.moments(x, [0])]
+    original = tf_nn._compute_moments_sync
+    with keras_hooks.synchronized_moments(two_ranks):
+        mean, variance = keras.ops.moments(x, [0], synchronized=True)
+    assert calls == [3]  # Sum, squared sum and count, in one call.
+    np.testing.assert_allclose(mean.numpy(), expected[0], rtol=1e-6)
+    np.testing.assert_allclose(variance.numpy(), expected[1], rtol=1e-6)
+    assert tf_nn._compute_moments_sync is original
+    with keras_hooks.synchronized_moments(None):  # tf.distribute's replica context does it: nothing replaced.
+        assert tf_nn._compute_moments_sync is original

@@ -9,7 +9,8 @@
   predictions = tfdist.predict(model, x_test)
 
 Public names: `make_strategy`, `fit`, `evaluate` and `predict` (Keras' `Model.evaluate` and
-`Model.predict` under the same strategy and input handling), `UserError` (what bad input raises; a
+`Model.predict` under the same strategy and input handling), `is_chief` and `task_path` (a script's
+own files on a multi-worker job), `UserError` (what bad input raises; a
 `ValueError`), `Preempted` (raised after SIGTERM saved a checkpoint). Layers: `tfdist.layers`
 (`ShardedEmbedding`: an embedding table in row shards over parameter servers).
 Entry points: `tfdist-train` (the MNIST program, tfdist.cli.train),
@@ -22,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.2.0"
-__all__ = ["make_strategy", "fit", "evaluate", "predict", "UserError", "Preempted"]
+__all__ = ["make_strategy", "fit", "evaluate", "predict", "is_chief", "task_path", "UserError", "Preempted"]
 
 from tfdist.errors import UserError  # noqa: E402  (no TensorFlow import)
 
@@ -40,6 +41,10 @@ def __getattr__(name: str) -> Any:
         from tfdist.training import evaluating
 
         return getattr(evaluating, name)
+    if name in ("is_chief", "task_path"):
+        from tfdist.distribute import tasks
+
+        return getattr(tasks, name)
     if name == "layers":
         import tfdist.layers
 

@@ -18,7 +18,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -225,6 +225,11 @@ class Backend:
         sent = compress(present, self.gradient_dtype)
         reduced = iter(decompress(context.all_reduce(tf.distribute.ReduceOp.SUM, sent), present))
         return [None if g is None else next(reduced) for g in grads]
+
+    def replica_sum(self) -> Optional[Callable[[list], list]]:
+        """Sums tensors over the replicas inside a step where TensorFlow has no replica context to (Horovod),
+        or None: tf.distribute's replica context does (`BatchNormalization(synchronized=True)`)."""
+        return None
 
     def sync_replica_state(self, variables: Sequence[Any]) -> None:
         """Averages replica-local state across replicas (called in cross-replica context, compiled)."""

@@ -222,6 +222,11 @@ class HorovodBackend(Backend):
             self._public = HorovodStrategy(self)
         return self._public
 
+    def replica_sum(self) -> Optional[Callable[[list], list]]:
+        if self.hvd.size() == 1:
+            return None
+        return lambda tensors: self.hvd.grouped_allreduce(tensors, op=self.hvd.Sum)
+
     def sync_replica_state(self, variables: Sequence[Any]) -> None:
         if not variables or self.hvd.size() == 1:
             return

@@ -136,7 +136,7 @@ def _held_out(model: keras.Model, x: Any, y: Any, sample_weight: Any, batch_size
 
 
 def _predict_arrays(model: keras.Model, x: Any) -> inputs.Arrays:
-    x = fitting._to_numpy(x)
+    x = inputs.to_numpy(x)
     if x is None:
         raise _fail("x is None; pass the inputs to predict (arrays, a dict of arrays, or a dataset).")
     leaves = tf.nest.flatten(x)

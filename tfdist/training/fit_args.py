@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import UserError
+from tfdist.training import inputs
 
 # Keras' words (keras/src/trainers/data_adapters/__init__.py get_data_adapter).
 DATASET_SHUFFLE_WARNING = ("`shuffle=True` was passed, but will be ignored since the data `x` was provided as a "
@@ -137,16 +138,6 @@ def check_backend(backend: Any, kind: str, shuffle: bool) -> None:
 
 
 # Arrays -------------------------------------------------------------------------------
-def _numpy(value: Any) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return {k: _numpy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_numpy(v) for v in value)
-    return np.asarray(value)
-
-
 def split_arrays(x: Any, y: Any, sample_weight: Any, validation_split: float) -> tuple:
     """Keras' split: ``((x, y, sample_weight), (x_val, y_val, sample_weight_val))``, the last part held out."""
     from keras.src.trainers.data_adapters import array_slicing
@@ -210,7 +201,7 @@ def _standardize(batch: Any) -> tuple:
         batch = tuple(batch)
     if not isinstance(batch, tuple):
         batch = (batch,)
-    return _numpy(batch)
+    return inputs.to_numpy(batch)
 
 
 def _spec(batch: tuple, batch_dim: Optional[int]) -> Any:
@@ -301,13 +292,7 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
                             "every example is evaluated exactly once.")
         validation_data = py_dataset_to_dataset(validation_data, shuffle=False, seed=seed)
     if kind == "arrays":
-        if y is None:  # The core input check names it.
-            if validation_split and validation_data is None:
-                raise UserError("validation_split with x alone (no targets): tfdist validates (x, y) pairs, so a model "
-                                "trained on x alone (an autoencoder's custom train_step) cannot be validated yet. "
-                                "Drop validation_split, or pass targets.")
-            return Prepared(x, y, sample_weight, validation_data, batch_size, kind)
-        x, y, sample_weight = _numpy(x), _numpy(y), _numpy(sample_weight)
+        x, y, sample_weight = inputs.to_numpy(x), inputs.to_numpy(y), inputs.to_numpy(sample_weight)
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = split_arrays(x, y, sample_weight, float(validation_split))
             if all(v is None for v in tf.nest.flatten(validation_data[2:], expand_composites=False)):

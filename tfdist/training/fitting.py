@@ -36,16 +36,6 @@ def _fail(message: str) -> UserError:
 
 
 # Inputs -------------------------------------------------------------------------
-def _to_numpy(value: Any) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return {k: _to_numpy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_numpy(v) for v in value)
-    return np.asarray(value)
-
-
 def _input_names(model: keras.Model) -> Optional[list[str]]:
     names = getattr(model, "input_names", None)
     if names:
@@ -58,9 +48,10 @@ def _input_names(model: keras.Model) -> Optional[list[str]]:
 
 def arrays_from(model: keras.Model, x: Any, y: Any, sample_weight: Any, what: str) -> inputs.Arrays:
     """Checks and converts array inputs; `what` names them in errors ('x' or 'validation_data')."""
-    x, y, sample_weight = _to_numpy(x), _to_numpy(y), _to_numpy(sample_weight)
-    if y is None and not (what == "x/y" and custom_steps.overrides(model, "train_step")):  # Its step takes x alone.
-        raise _fail(f"{what} has inputs but no targets; pass y (or validation_data=(x_val, y_val)).")
+    x, y, sample_weight = inputs.to_numpy(x), inputs.to_numpy(y), inputs.to_numpy(sample_weight)
+    if y is None and sample_weight is not None:
+        raise _fail(f"{what} has sample weights but no targets; the weights weigh a compiled loss against y. Pass "
+                    "y, or fold the weights into the loss your model adds (add_loss).")
     if isinstance(x, dict):
         names = _input_names(model)
         if names and set(x) != set(names):
@@ -83,11 +74,15 @@ def arrays_from(model: keras.Model, x: Any, y: Any, sample_weight: Any, what: st
 
 
 def _split_validation(validation_data: Any) -> tuple:
-    if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+    """(x, y, sample_weight) as Keras' `unpack_x_y_sample_weight` reads it: a list is a tuple, a bare x has no y."""
+    if isinstance(validation_data, list):
+        validation_data = tuple(validation_data)
+    if not isinstance(validation_data, tuple):
+        return validation_data, None, None
+    if len(validation_data) in (1, 2, 3):
         return tuple(validation_data) + (None,) * (3 - len(validation_data))
-    raise _fail(
-        f"validation_data must be a tuple (x_val, y_val) or (x_val, y_val, sample_weight_val) of arrays, not "
-        f"{type(validation_data).__name__}{'' if not isinstance(validation_data, (tuple, list)) else f' of length {len(validation_data)}'}.")
+    raise _fail(f"validation_data must be (x_val,), (x_val, y_val) or (x_val, y_val, sample_weight_val), not a "
+                f"tuple of length {len(validation_data)}.")
 
 
 class _Source:

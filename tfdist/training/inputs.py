@@ -61,6 +61,22 @@ def _replicas_here(ctx: tf.distribute.InputContext) -> int:
     return max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
 
 
+def to_numpy(value: Any) -> Any:
+    """Arrays of every leaf; lists become tuples, as Keras' adapters make them (`x=[x1, x2]`: two inputs).
+
+    A list of plain numbers stays one array.
+    """
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {k: to_numpy(v) for k, v in value.items()}
+    if isinstance(value, list) and all(isinstance(v, (int, float, bool, np.number)) for v in value):
+        return np.asarray(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(to_numpy(v) for v in value)
+    return np.asarray(value)
+
+
 def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
     """`tf.nest.map_structure` that leaves None leaves (no targets, no weights) as None."""
     return tf.nest.map_structure(lambda a: None if a is None else fn(a), structure)
@@ -183,7 +199,7 @@ def _padded_weight(weight: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
 
 def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False,
                    even_split: bool = False) -> DatasetFn:
-    """Per-replica eval batches ``(x, y, mask)``, or ``(x, y, sample_weight, mask)``: every example exactly once.
+    """Per-replica eval batches ``(x, y, mask)``, ``(x, y, sample_weight, mask)`` or ``(x, mask)``: every example once.
 
     Replica r of step s takes positions ``(s * R + r) * b ...``. Positions past
     the end are dropped, so the last batches are smaller (some may be empty):
@@ -224,10 +240,8 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
                 indices = tf.range(start + replica * n // replicas, start + (replica + 1) * n // replicas)
                 mask = tf.ones(tf.shape(indices), tf.float32)
             bx, by = _gather((x, y), indices)
-            if sample_weight is None:
-                return bx, by, mask
             weight = map_present(lambda w: _padded_weight(tf.gather(w, indices), mask), sample_weight)
-            return bx, by, weight, mask
+            return drop_none((bx, by, weight)) + (mask,)
 
         ds = tf.data.Dataset.range(steps * here).map(replica_batch)
         return ds.prefetch(tf.data.AUTOTUNE).with_options(options())

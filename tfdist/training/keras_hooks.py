@@ -15,7 +15,8 @@ three places, each of which goes through a private Keras name:
 - Keras' TensorFlow optimizer sums the gradients across replicas inside
   ``apply`` (``_all_reduce_sum_gradients``); tfdist has already summed them
   (before clipping and the loss-scale finite check), so `no_gradient_sum` makes
-  that sum the identity.
+  that sum the identity (and merges a sparse increment's repeated rows, so
+  every worker applies it bit for bit alike).
 - Under parameter servers, ``optimizer._iterations.assign_add`` must be an atomic
   increment (`atomic_iterations`).
 
@@ -101,9 +102,9 @@ def _replaced(owner: Any, name: str, make: Callable[[Any, tuple], Any], *,
         entry = _installed.get(key)
         if entry is None:
             before = vars(owner).get(name, _MISSING)
-            entry = _installed[key] = [owner, before, 0]
-            replacement = make(before, key)
+            replacement = make(before, key)  # Registered only once made: a `make` that raises leaves nothing behind.
             setattr(owner, name, replacement) if module else object.__setattr__(owner, name, replacement)
+            entry = _installed[key] = [owner, before, 0]
         entry[2] += 1
         acting = _local.__dict__.setdefault("acting", {}) if this_thread else _everywhere
         acting[key] = acting.get(key, 0) + 1
@@ -176,13 +177,40 @@ def _summed_already(opt: Any) -> Callable:
     return make
 
 
+def _merged_rows(opt: Any, name: str) -> Callable:
+    def make(before: Any, key: tuple) -> Callable:
+        keras_own = getattr(type(opt), name).__get__(opt) if before is _MISSING else before
+
+        def scatter(variable: Any, value: Any) -> Any:
+            if _acting(key) and isinstance(value, tf.IndexedSlices):
+                rows, position = tf.unique(value.indices)
+                value = tf.IndexedSlices(tf.math.unsorted_segment_sum(value.values, position, tf.size(rows)), rows,
+                                         value.dense_shape)
+            return keras_own(variable, value)
+
+        return scatter
+
+    return make
+
+
 @contextlib.contextmanager
 def no_gradient_sum(optimizer: Any) -> Iterator[None]:
-    """Keras' optimizer does not sum the gradients across replicas (tfdist already did)."""
+    """Keras' optimizer does not sum the gradients across replicas (tfdist already did), and its sparse
+    increments add each row once.
+
+    A row-sparse increment (an Embedding's gradient, Adagrad's squared rows)
+    repeats a row once per lookup, and more so once all-gathered from every
+    replica. TensorFlow's CPU scatter adds the repeats in whatever order its
+    threads take them, so workers given bit-identical gradients drift apart by a
+    few ULPs. ``assign_add``/``assign_sub`` therefore sum each row's repeats first
+    (`unsorted_segment_sum` adds in input order): the same sum, in a fixed order.
+    """
     with contextlib.ExitStack() as stack:
         for opt in optimizers(optimizer):
             stack.enter_context(_replaced(opt, "_all_reduce_sum_gradients", _summed_already(opt),
                                           this_thread=False))
+            for name in ("assign_add", "assign_sub"):
+                stack.enter_context(_replaced(opt, name, _merged_rows(opt, name), this_thread=False))
         yield
 
 
@@ -219,3 +247,44 @@ def atomic_iterations(optimizer: Any) -> Iterator[None]:
             counter = opt._iterations
             stack.enter_context(_replaced(counter, "assign_add", _atomic(counter), this_thread=False))
         yield
+
+
+def _moments_over(replica_sum: Callable[[list], list]) -> Callable:
+    def make(before: Any, key: tuple) -> Callable:
+        from keras.src.backend.tensorflow import nn as tf_nn
+
+        keras_own = tf_nn._compute_moments_sync if before is _MISSING else before
+
+        def moments(x: tf.Tensor, axes: Any, keepdims: bool) -> tuple:
+            if not _acting(key):
+                return keras_own(x, axes, keepdims)
+            local = [tf.reduce_sum(x, axis=axes, keepdims=True), tf.reduce_sum(tf.square(x), axis=axes, keepdims=True),
+                     tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True)]
+            total, squared, count = replica_sum(local)
+            mean = tf.math.divide_no_nan(total, count)  # As Keras' own _compute_moments_sync, over every rank.
+            variance = tf.maximum(tf.math.divide_no_nan(squared, count) - tf.square(mean), 0.0)
+            if not keepdims:
+                mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+            return mean, variance
+
+        return moments
+
+    return make
+
+
+@contextlib.contextmanager
+def synchronized_moments(replica_sum: Optional[Callable[[list], list]]) -> Iterator[None]:
+    """``BatchNormalization(synchronized=True)`` takes its batch statistics over every replica.
+
+    Under tf.distribute Keras' own code does it through the replica context;
+    Horovod has none, so there (``replica_sum``: a sum over the ranks) the
+    statistics' sums go through Horovod instead. Without ``replica_sum``: nothing.
+    """
+    if replica_sum is None:
+        yield
+        return
+    from keras.src.backend.tensorflow import nn as tf_nn
+
+    with _replaced(tf_nn, "_compute_moments_sync", _moments_over(replica_sum)):
+        yield
+

@@ -436,7 +436,7 @@ class StepFunctions:
         share = tf.cast(size, tf.float32) / (tf.cast(size * self.parts, tf.float32) if total is None else total)
         with tf.GradientTape() as tape:
             forward = _RecordingScope(mapping)
-            with forward:
+            with forward, keras_hooks.synchronized_moments(self.backend.replica_sum()):
                 y_pred = model(x, training=True)
                 added = _forward_losses(model)
             loss, unscaled, deltas = self._tracked_loss(x, y, y_pred, sample_weight, training=True, added=added,
@@ -478,7 +478,8 @@ class StepFunctions:
         examples = custom_steps.batch_size(data)
         if not self.partial_last:
             total = examples * self.backend.num_replicas  # Every replica holds the same number of examples.
-        with self.gradients.replica_step(examples, total), keras_hooks.one_replica_losses():
+        with self.gradients.replica_step(examples, total), keras_hooks.one_replica_losses(), \
+                keras_hooks.synchronized_moments(self.backend.replica_sum()):
             if self.backend.asynchronous:
                 logs, deltas = self._asynchronous_custom_step(data)
             else:
@@ -609,7 +610,7 @@ class StepFunctions:
         return tf.cond(tf.size(mask) > 0, update, lambda: totals)
 
     def _replica_eval_step(self, data: Any, totals: tf.Tensor) -> tf.Tensor:
-        *element, mask = data  # (x, y, mask) or (x, y, sample_weight, mask): `inputs.eval_arrays_fn`.
+        *element, mask = data  # (x, [y, [sample_weight,]] mask): `inputs.eval_arrays_fn`.
         if self.custom_test:
             return self._replica_custom_eval_step(tuple(element), mask, totals)
         x, y, weight = _unpack(tuple(element))
