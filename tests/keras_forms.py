@@ -64,8 +64,8 @@ def fit_siamese(fit, model, **kwargs):
     return fit(model, SIAMESE_X, SIAMESE_Y, batch_size=32, epochs=2, shuffle=False, verbose=0, **kwargs)
 
 
-def fit_endpoint(fit, model, **kwargs):
-    return fit(model, ENDPOINT_X, batch_size=32, epochs=2, shuffle=False, verbose=0, **kwargs)
+def fit_endpoint(fit, model, batch_size=32, **kwargs):
+    return fit(model, ENDPOINT_X, batch_size=batch_size, epochs=2, shuffle=False, verbose=0, **kwargs)
 
 
 def keras_fit(model, *args, **kwargs):
@@ -77,16 +77,17 @@ def check_job(out):
     """Checks what tests/programs/keras_forms.py wrote in `out`: both tasks against Keras' own fit on one device.
 
     The Siamese and endpoint weights and logs within 1e-5 of Keras' (list inputs, synchronized
-    BatchNormalization over the global batch, no y); the Embedding model bit for bit alike on both
+    BatchNormalization over the global batch, no y, a batch of 7 the tasks do not divide); the Embedding model bit for bit alike on both
     tasks (and trained); each task's own initial-weights file.
     """
     import json
     import os
 
-    siamese_ref, endpoint_ref = siamese(), endpoint()
+    siamese_ref, endpoint_ref, uneven_ref = siamese(), endpoint(), endpoint()
     expected = {"siamese": fit_siamese(keras_fit, siamese_ref).history,
-                "endpoint": fit_endpoint(keras_fit, endpoint_ref, validation_data=(ENDPOINT_X,)).history}
-    wanted = siamese_ref.get_weights() + endpoint_ref.get_weights()
+                "endpoint": fit_endpoint(keras_fit, endpoint_ref, validation_data=(ENDPOINT_X,)).history,
+                "uneven": fit_endpoint(keras_fit, uneven_ref, batch_size=7).history}
+    wanted = siamese_ref.get_weights() + endpoint_ref.get_weights() + uneven_ref.get_weights()
     start = embedding().get_weights()
     tasks = [np.load(os.path.join(out, f"task{i}.npz")) for i in (0, 1)]
     for saved in tasks:

@@ -262,7 +262,12 @@ def test_model_built_outside_the_scope_is_refused():
     bad("not built under the strategy's scope", outside, X[:64], Y[:64], batch_size=64, strategy=strategy)
     with strategy.scope():
         inside = dense_model()
-    bad(r"batch_size=1 is smaller than the number of replicas \(2\)", inside, X[:64], Y[:64], batch_size=1)
+
+    def per_replica_batches(context):
+        return tf.data.Dataset.from_tensor_slices((X[:64], Y[:64])).batch(1)
+
+    bad(r"batch_size=3 does not divide evenly across 2 replica\(s\) x 1 accumulation step\(s\), and the dataset "
+        r"function batches per replica", inside, per_replica_batches, batch_size=3, steps_per_epoch=2)
 
 
 def test_make_strategy_returns_the_tf_strategy_and_refuses_unknown_options():
@@ -525,3 +530,42 @@ def test_two_workers_train_keras_forms_as_keras_with_bit_identical_embeddings(tm
                             capture_output=True, text=True, timeout=240, cwd=REPO, env=subprocess_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     forms.check_job(tmp_path)
+
+
+@pytest.mark.parametrize("replicas,batch_size,accum", [(4, 10, 1), (4, 3, 1), (2, 7, 2)])
+def test_a_batch_the_replicas_do_not_divide_trains_as_keras(replicas, batch_size, accum):
+    """Some replicas (and micro-batches) take one example fewer, or none; the gradient is still the global
+    batch's: Keras' own fit on one device, for arrays and for a dataset of global batches."""
+    from tests.test_fit_args import RNG, model_fn
+
+    x, y = RNG.normal(size=(50, 8)).astype("float32"), RNG.integers(0, 3, size=50)
+    reference = model_fn()
+    expected = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(x[:20], y[:20])).history
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=replicas, precision="float32", **MIRRORED)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    for data in ((x, y), (dataset,)):
+        with strategy.scope():
+            model = model_fn()
+        history = tfdist.fit(model, *data, batch_size=batch_size if len(data) == 2 else None, epochs=2,
+                             shuffle=False, verbose=0, grad_accum_steps=accum,
+                             validation_data=(x[:20], y[:20])).history
+        assert set(history) == set(expected)
+        for key in expected:
+            np.testing.assert_allclose(history[key], expected[key], atol=1e-5, err_msg=key)
+        for a, b in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_custom_step_with_fewer_examples_than_replicas_is_refused():
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        inputs = keras.Input((2,))
+        custom = Custom(inputs, keras.layers.Dense(1)(inputs))
+        custom.compile(optimizer="sgd", loss="mse")
+    bad(r"batch_size=1 is smaller than the number of replicas \(2\), so a replica would run Custom.train_step\(\) "
+        r"on no example", custom, np.zeros((8, 2)), np.zeros(8), batch_size=1)

@@ -24,15 +24,17 @@ def main() -> None:
     out, name = sys.argv[1], sys.argv[2]
     strategy = tfdist.make_strategy(name, precision="float32")
     with strategy.scope():
-        siamese, endpoint, embedding = forms.siamese(), forms.endpoint(), forms.embedding()
+        siamese, endpoint, embedding, uneven = forms.siamese(), forms.endpoint(), forms.embedding(), forms.endpoint()
     initial = tfdist.task_path(os.path.join(out, "initial_weights.weights.h5"))
     siamese.save_weights(initial)
     siamese.load_weights(initial)
     siamese_history = forms.fit_siamese(tfdist.fit, siamese)
     endpoint_history = forms.fit_endpoint(tfdist.fit, endpoint, validation_data=(forms.ENDPOINT_X,))
+    uneven_history = forms.fit_endpoint(tfdist.fit, uneven, batch_size=7)  # 4 and 3 examples a task.
     tfdist.fit(embedding, forms.IDS, forms.IDS_Y, batch_size=256, epochs=4, max_steps=50, verbose=0)
-    weights = siamese.get_weights() + endpoint.get_weights() + embedding.get_weights()
-    history = {"siamese": siamese_history.history, "endpoint": endpoint_history.history}
+    weights = siamese.get_weights() + endpoint.get_weights() + uneven.get_weights() + embedding.get_weights()
+    history = {"siamese": siamese_history.history, "endpoint": endpoint_history.history,
+               "uneven": uneven_history.history}
     index = strategies.current_backend().worker_index
     np.savez(os.path.join(out, f"task{index}.npz"), *weights, history=json.dumps(history), initial=initial)
 

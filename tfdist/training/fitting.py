@@ -120,11 +120,13 @@ class _Source:
             if not backend.sharded_input:
                 return inputs.random_order_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch)
             return inputs.train_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch,
+                                          global_batch=plan.global_batch,
                                           steps_per_epoch=plan.steps_per_epoch, seed=plan.seed, start_step=first,
                                           total_steps=plan.total_steps, partial_last=plan.partial_last,
                                           shuffle=self.shuffle)
         if self.kind == "dataset":
             return inputs.global_batches_fn(self.dataset, per_replica_batch=plan.per_replica_batch,
+                                            global_batch=plan.global_batch,
                                             start_step=first if backend.sharded_input else 0,
                                             partial_last=plan.partial_last)
         return inputs.resumed_fn(self.function, start_step=first, sharded=backend.sharded_input)
@@ -228,6 +230,10 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
 def _validation(model: keras.Model, validation_data: Any, source: _Source) -> Optional[inputs.Arrays]:
     if validation_data is None:
         return None
+    if not custom_steps.overrides(model, "test_step") and not custom_steps.has_call(model):
+        raise _fail(f"{type(model).__name__} has neither call() nor test_step(), so validation_data (or "
+                    "validation_split) cannot be evaluated: Keras' test_step calls the model. Drop the validation, or "
+                    "give the model a test_step (or a call).")
     if isinstance(validation_data, tf.data.Dataset):
         _element_spec(model, validation_data, "validation_data")
         if int(validation_data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
@@ -277,8 +283,25 @@ def _check_scope(model: keras.Model, backend: Backend) -> None:
                 "with the strategy from tfdist.make_strategy.")
 
 
+def _why_even(backend: Backend, source: _Source) -> str:
+    """Why this run needs a global batch the replicas (and micro-batches) divide, or "" if it does not."""
+    if backend.device_kind == "tpu":
+        return "a TPU compiles one batch shape for every replica"
+    if not backend.sharded_input:
+        return "parameter-server workers each train whole per-replica batches"
+    if source.kind == "dataset_fn":
+        return "the dataset function batches per replica (input_context.get_per_replica_batch_size)"
+    return ""
+
+
 def _check_short_custom_step(model: keras.Model, backend: Backend, plan: LoopPlan, examples: int) -> None:
     """A custom step on a replica with no example would average over nothing (NaN logs and layer state)."""
+    if plan.global_batch < backend.num_replicas and custom_steps.overrides(model, "train_step"):
+        raise _fail(
+            f"batch_size={plan.global_batch} is smaller than the number of replicas ({backend.num_replicas}), so a "
+            f"replica would run {type(model).__name__}.train_step() on no example at every step (its means, "
+            "trackers and BatchNormalization statistics would become NaN). Use a batch_size of at least "
+            f"{backend.num_replicas}.")
     left = examples % plan.global_batch
     if plan.partial_last and custom_steps.overrides(model, "train_step") and 0 < left < backend.num_replicas:
         raise _fail(
@@ -310,17 +333,16 @@ def _build(model: keras.Model, backend: Backend, example: tuple) -> None:
 def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, grad_accum_steps: int,
           steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
           max_steps: Optional[int], extra: dict, array_input: bool = False,
-          partial_dataset: bool = False) -> LoopPlan:
+          partial_dataset: bool = False, why_even: str = "") -> LoopPlan:
+    """The run's numbers; `why_even` (if any) is why this input needs a batch the replicas divide."""
     replicas = backend.num_replicas
-    if batch_size < replicas:
-        raise _fail(f"batch_size={batch_size} is smaller than the number of replicas ({replicas}); every replica "
-                    f"needs at least one example. Use batch_size={replicas * 32} or more.")
     unit = replicas * grad_accum_steps
-    if batch_size % unit:
+    uneven = bool(batch_size % unit)  # Split as evenly as can be at every step (some parts one example short).
+    if uneven and why_even:
         lower, upper = (batch_size // unit) * unit, (batch_size // unit + 1) * unit
         raise _fail(f"batch_size={batch_size} does not divide evenly across {replicas} replica(s) x "
-                    f"{grad_accum_steps} accumulation step(s); use a multiple of {unit}, e.g. {lower or upper} "
-                    f"or {upper}.")
+                    f"{grad_accum_steps} accumulation step(s), and {why_even}; use a multiple of {unit}, e.g. "
+                    f"{lower or upper} or {upper}.")
     whole = num_train // batch_size
     partial_last = partial_dataset
     if steps_per_epoch is None:
@@ -346,9 +368,11 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
     total = steps_per_epoch * epochs
     if max_steps is not None:
         total = min(total, max_steps)
-    per_replica = batch_size // replicas
+    partial_last = partial_last or uneven  # Parts of differing sizes, each carrying the step's global count.
+    per_replica = -(-batch_size // replicas)  # The largest share.
     return LoopPlan(
-        global_batch=batch_size, per_replica_batch=per_replica, micro_batch=per_replica // grad_accum_steps,
+        global_batch=batch_size, per_replica_batch=per_replica, micro_batch=-(-per_replica // grad_accum_steps),
+        num_replicas=replicas,
         grad_accum_steps=grad_accum_steps, steps_per_epoch=steps_per_epoch, epochs=epochs, total_steps=total,
         steps_per_execution=steps_per_execution or default_steps_per_execution(backend), seed=seed,
         extra=tuple(sorted(extra.items())), partial_last=partial_last,
@@ -385,7 +409,7 @@ def check_resume(path: str, plan: LoopPlan) -> None:
 
 def plan_replicas(plan: LoopPlan) -> int:
     """The replica count a plan was made for."""
-    return plan.global_batch // plan.per_replica_batch
+    return plan.num_replicas
 
 
 # The public function ---------------------------------------------------------------
@@ -501,7 +525,8 @@ def fit(
                  extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {}),
                         **fit_args.plan_fields(shuffle=source.shuffle, class_weight=class_weight,
                                                validation_split=validation_split)},
-                 array_input=source.kind == "arrays", partial_dataset=source.partial)
+                 array_input=source.kind == "arrays", partial_dataset=source.partial,
+                 why_even=_why_even(backend, source))
     source.check_batches(plan)
     _check_short_custom_step(model, backend, plan, source.num_examples)
     _build(model, backend, source.example(plan.micro_batch))

@@ -114,6 +114,7 @@ def train_arrays_fn(
     total_steps: Optional[int] = None,
     partial_last: bool = False,
     shuffle: bool = True,
+    global_batch: Optional[int] = None,
 ) -> DatasetFn:
     """Per-replica training batches in the topology-independent order (module docstring).
 
@@ -123,14 +124,18 @@ def train_arrays_fn(
     resumed run sees exactly the data the uninterrupted run would have. With
     `partial_last` the last step of each epoch takes the examples left over
     (as Keras' last batch), split evenly over the replicas, and every element
-    ends with the step's global example count (`with_global_count`).
+    ends with the step's global example count (`with_global_count`). A
+    `global_batch` the replicas do not divide (given with `partial_last`) is
+    split as evenly as it can be at every step: some replicas take one example
+    fewer, or none.
     """
     num = arrays.num_examples
+    given = global_batch
 
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         here = _replicas_here(ctx)
         replicas = ctx.num_replicas_in_sync
-        global_batch = per_replica_batch * replicas
+        global_batch = given or per_replica_batch * replicas
         first_replica = ctx.input_pipeline_id * here
         tensors = _constants(arrays)
         logging.info("Input pipeline %d of %d: replicas %d-%d of %d, per-replica batch %d, global batch %d, "
@@ -250,7 +255,7 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
 
 
 def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start_step: int = 0,
-                      partial_last: bool = False) -> DatasetFn:
+                      partial_last: bool = False, global_batch: Optional[int] = None) -> DatasetFn:
     """Per-replica batches cut from a dataset of global batches, the same way on every topology.
 
     Every pipeline reads the whole dataset (repeated), re-cuts it into global
@@ -259,14 +264,17 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
     topology (for a deterministic dataset). `start_step` global batches are skipped.
     With `partial_last` each pass over the dataset is one epoch whose last batch
     holds what is left (as Keras' fit trains it), split evenly over the replicas,
-    and every element ends with the step's global example count.
+    and every element ends with the step's global example count; so does every
+    element where the replicas do not divide `global_batch` (each global batch
+    then split as evenly as it can be).
     """
+    given = global_batch
 
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         here = _replicas_here(ctx)
         first = ctx.input_pipeline_id * here
         replicas = ctx.num_replicas_in_sync
-        global_batch = per_replica_batch * replicas
+        global_batch = given or per_replica_batch * replicas
 
         def mine(*element: Any) -> tf.data.Dataset:
             def cut(t: tf.Tensor) -> tf.Tensor:

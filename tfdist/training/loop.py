@@ -108,9 +108,11 @@ class LoopPlan:
     steps_per_execution: int
     seed: int
     extra: tuple = ()  # (name, value) pairs the caller adds: dataset, learning rate, precision, ...
-    # Whether the last step of an epoch may hold fewer examples (Keras' partial last batch): each
-    # replica's batch then carries the step's global example count.
+    # Whether the last step of an epoch may hold fewer examples (Keras' partial last batch), or the
+    # replicas do not divide the global batch: each replica's batch then carries the step's global
+    # example count, and `per_replica_batch` is the largest share.
     partial_last: bool = False
+    num_replicas: int = 1
 
     def resume_fields(self) -> dict[str, Any]:
         fields = {
