@@ -5,10 +5,16 @@
 Sessions:
   tests-tf2.21          TensorFlow 2.21 (the primary target), Keras 3.
   tests-tf2.18-horovod  TensorFlow 2.18 + horovod 0.28.1 built from source with
-                        Gloo (the newest TensorFlow horovod still builds against);
-                        the Horovod tests run here for real; the tests marked
-                        `jobs` (launcher, parameter-server and SSH jobs) run only
-                        in tests-tf2.21.
+                        Gloo (the newest TensorFlow horovod still builds against):
+                        what differs there, i.e. the tests marked `horovod` (real
+                        horovodrun jobs: tfdist-train, custom steps, evaluate and
+                        predict, the keras.io examples, topology, the peer) and
+                        those marked `keras_internals` (the TensorFlow/Keras
+                        internals tfdist's step relies on), not `jobs`. Everything
+                        else runs once, in tests-tf2.21.
+
+CI's budget: `bash .ci/run` (both sessions, Horovod's build included) within 45 minutes on a
+2-core machine (its hard limit is 90); measured 2026-12-04 from a clean clone: see the README.
 Pass pytest arguments after --, e.g. `python3 -m nox -s tests-tf2.21 -- -k cluster`.
 
 Both sessions first make sure an OpenSSH server (for tests/test_ssh.py) and tc
@@ -77,6 +83,7 @@ def tests_tf218_horovod(session: nox.Session) -> None:
     session.install("setuptools>=65,<81", "wheel")  # horovod builds with the machine's cmake and g++.
     session.install("--no-build-isolation", "horovod==0.28.1", env=HOROVOD_BUILD_ENV)
     session.run("python", "-c", "import horovod.tensorflow as h; assert h.gloo_built(), 'horovod built without Gloo'")
-    # The real multi-process jobs (marker `jobs`: tfdist-launch, parameter servers, SSH) run in tests-tf2.21;
-    # here the rest run, Horovod's for real, which keeps CI within its time on 2-core machines.
-    session.run(*PYTEST, "-m", "not jobs", *session.posargs, env={"TFDIST_REQUIRE_HOROVOD": "1"})
+    # Only what differs on this TensorFlow: Horovod's tests, for real, and the Keras-internals checks. The rest
+    # (the real multi-process jobs included) runs once, in tests-tf2.21: CI's 45-minute budget on 2 cores.
+    session.run(*PYTEST, "-m", "horovod or (keras_internals and not jobs)", *session.posargs,
+                env={"TFDIST_REQUIRE_HOROVOD": "1"})

@@ -89,3 +89,9 @@ def pytest_configure(config):
         "markers", "jobs: a real multi-process job (tfdist-launch, parameter servers, SSH). The tests-tf2.21 nox "
                    "session runs them; tests-tf2.18-horovod deselects them (-m 'not jobs') and runs the rest, "
                    "Horovod included, to keep CI short.")
+    config.addinivalue_line(
+        "markers", "horovod: runs Horovod for real (tests.test_horovod.needs_horovod): the tests-tf2.18-horovod "
+                   "nox session selects these, where Horovod builds; elsewhere they skip.")
+    config.addinivalue_line(
+        "markers", "keras_internals: checks the TensorFlow/Keras internals tfdist's step relies on; the "
+                   "tests-tf2.18-horovod session runs these too, on its older TensorFlow.")

@@ -20,12 +20,19 @@ from tfdist.distribute import horovod_support
 HAVE_HOROVOD = horovod_support.is_horovod_available()
 if os.environ.get("TFDIST_REQUIRE_HOROVOD") == "1" and not HAVE_HOROVOD:
     raise RuntimeError("TFDIST_REQUIRE_HOROVOD=1 but horovod is not importable in this environment")
-needs_horovod = pytest.mark.skipif(
+_skip_without_horovod = pytest.mark.skipif(
     not HAVE_HOROVOD,
     reason="horovod 0.28.1 does not build against this TensorFlow (>= 2.19); these tests run in the "
            "tests-tf2.18-horovod nox session",
 )
+
+
+def needs_horovod(test):
+    """A test that runs Horovod for real: skipped where it is not installed, and marked `horovod`, which is
+    what the tests-tf2.18-horovod session selects."""
+    return pytest.mark.horovod(_skip_without_horovod(test))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+pytestmark = pytest.mark.horovod  # All of this module runs in the TF 2.18 session (tests/conftest.py).
 
 
 def horovodrun(args, tmp_path, np_=2, timeout=400):

@@ -12,6 +12,7 @@ import tfdist
 from tfdist.training import keras_hooks
 
 MIRRORED = {"all_reduce": "reduce_to_one"}
+pytestmark = pytest.mark.keras_internals  # The TF 2.18 session runs these too (tests/conftest.py).
 
 
 def test_the_optimizer_is_patched_only_while_entered_and_restored_exactly():

@@ -19,10 +19,12 @@ import tensorflow as tf
 import tfdist
 from tfdist.training import steps as steps_lib
 from tests.conftest import REPO
-from tfdist.distribute import horovod_support, strategies
+from tests.test_horovod import horovodrun, needs_horovod
+from tfdist.distribute import strategies
 from tfdist.distribute.backend import tf_variable
 
 MIRRORED = {"all_reduce": "reduce_to_one"}  # In-process strategies: see test_fitting.py.
+pytestmark = pytest.mark.keras_internals  # The TF 2.18 session runs these too (tests/conftest.py).
 
 
 class Counter:
@@ -283,11 +285,8 @@ def test_frozen_weights_are_not_all_reduced_and_batch_norm_statistics_agree():
         assert np.abs(first).sum() > 0
 
 
-@pytest.mark.skipif(not horovod_support.is_horovod_available(),
-                    reason="needs horovod (the tests-tf2.18-horovod nox session)")
+@needs_horovod
 def test_horovod_ranks_scale_losses_as_one_device(tmp_path):
-    from tests.test_horovod import horovodrun
-
     result = horovodrun([sys.executable, os.path.join(REPO, "tests", "scaling_probe.py"), str(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in (0, 1):
