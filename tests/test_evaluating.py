@@ -133,6 +133,35 @@ def test_evaluate_and_predict_read_a_dataset_with_a_partial_last_batch():
     assert len(got["a"]) == 203
 
 
+def test_evaluate_and_predict_read_generators_and_py_datasets_as_keras_does():
+    model = under(strategy_for("mirrored2"))
+    x, y, weight = program.data()
+    twin = keras_twin(model)
+
+    def batches(with_targets=True):
+        for i in range(0, len(x), 32):
+            yield (x[i:i + 32], {k: v[i:i + 32] for k, v in y.items()}, weight[i:i + 32]) if with_targets \
+                else x[i:i + 32]
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return -(-len(x) // 32)
+
+        def __getitem__(self, i):
+            return x[i * 32:(i + 1) * 32], {k: v[i * 32:(i + 1) * 32] for k, v in y.items()}
+
+    expected = twin.evaluate(x, y, sample_weight=weight, verbose=0)
+    np.testing.assert_allclose(tfdist.evaluate(model, batches(), verbose=0), expected, atol=1e-5)
+    np.testing.assert_allclose(tfdist.evaluate(model, Batches(), steps=3, verbose=0),
+                               twin.evaluate(Batches(), steps=3, verbose=0), atol=1e-5)
+    for data in (batches(with_targets=False), Batches()):
+        got = tfdist.predict(model, data, verbose=0)
+        np.testing.assert_allclose(got["a"], twin.predict(x, verbose=0)["a"], atol=1e-5)
+        assert len(got["a"]) == 203
+    with pytest.raises(tfdist.UserError, match=r"x yields its own batches; drop batch_size=8"):
+        tfdist.predict(model, Batches(), batch_size=8)
+
+
 def test_steps_takes_the_first_batches_as_keras_does():
     model = under(strategy_for("mirrored2"))
     twin = keras_twin(model)

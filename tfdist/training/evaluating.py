@@ -37,6 +37,7 @@ every task with the same arguments, as they call `tfdist.fit`.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional, Sequence, Union
 
 import keras
@@ -45,7 +46,7 @@ import tensorflow as tf
 
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
-from tfdist.training import custom_steps, fitting, inputs, steps as steps_lib
+from tfdist.training import custom_steps, fit_args, fitting, inputs, steps as steps_lib
 
 KERAS_BATCH_SIZE = 32  # Keras' default for evaluate and predict.
 
@@ -84,7 +85,24 @@ def _read_dataset(data: Any, steps: Optional[int], batch_size: Optional[int], wh
     elif int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise _fail(f"{what} is an infinite dataset (.repeat()?); pass steps= (the number of batches to use) or "
                     "a finite dataset.")
-    parts = list(data.as_numpy_iterator())
+    return _joined(list(data.as_numpy_iterator()), what)
+
+
+def _python_batches(data: Any, steps: Optional[int], batch_size: Optional[int], what: str) -> tuple:
+    """A generator's or PyDataset's batches read into arrays (at most `steps` of them); returns (x, y, w, batch)."""
+    if batch_size is not None:
+        raise _fail(f"{what} yields its own batches; drop batch_size={batch_size} (as Keras asks), or pass arrays.")
+    if fit_args.is_py_dataset(data):
+        count = fit_args._num_batches(data)
+        if count is None and steps is None:
+            raise _fail(f"{what} is an infinite PyDataset (no num_batches); pass steps= (the number of batches to "
+                        "use), or give it a length.")
+        indices = range(count if steps is None else steps if count is None else min(int(steps), count))
+        return _joined([fit_args._standardize(data[i]) for i in indices], what)
+    return _joined([fit_args._standardize(batch) for batch in itertools.islice(data, steps)], what)
+
+
+def _joined(parts: list, what: str) -> tuple:
     if not parts:
         raise _fail(f"{what} yields no batches; pass a dataset holding at least one batch.")
     first = tf.nest.flatten(parts[0])[0]
@@ -115,10 +133,12 @@ def _held_out(model: keras.Model, x: Any, y: Any, sample_weight: Any, batch_size
     if steps is not None and (isinstance(steps, bool) or int(steps) < 1):
         raise _fail(f"steps={steps!r} must be a positive number of batches, or None (all the data).")
     batch = None
-    if isinstance(x, tf.data.Dataset) or callable(x):
+    python = fit_args.is_generator(x) or fit_args.is_py_dataset(x)
+    if isinstance(x, tf.data.Dataset) or callable(x) or python:
         if y is not None or sample_weight is not None:
             raise _fail("x is a dataset, so y and sample_weight must come from it; drop y=/sample_weight=.")
-        x, y, sample_weight, batch = _read_dataset(x, steps, batch_size, "x")
+        read = _python_batches if python else _read_dataset
+        x, y, sample_weight, batch = read(x, steps, batch_size, "x")
         if not targets:
             y = sample_weight = None
         steps = None  # Already taken.
