@@ -293,7 +293,7 @@ def test_py_dataset_shuffle_is_a_seeded_batch_order_the_same_on_every_topology()
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(weights[0], in_order.get_weights())) > 1e-3
 
 
-def test_generator_trains_as_keras_and_needs_steps_per_epoch():
+def test_generator_trains_as_keras_with_or_without_steps_per_epoch():
     def batches():
         for epoch in range(2):
             for i in range(8):
@@ -307,9 +307,22 @@ def test_generator_trains_as_keras_and_needs_steps_per_epoch():
                              shuffle=False)
         assert_same_history(history.history, expected)
         assert_same_weights(model, reference)
+    def one_pass():  # No steps_per_epoch: Keras trains one pass, its last batch short (7 x 32 + 16).
+        for i in range(8):
+            yield X[i * 32:(i + 1) * 32 - (16 if i == 7 else 0)], Y[i * 32:(i + 1) * 32 - (16 if i == 7 else 0)]
+
+    reference = model_fn()
+    expected = reference.fit(one_pass(), verbose=0).history
+    for name, options in strategies():
+        model, strategy = tfdist_model(name, options)
+        history = tfdist.fit(model, one_pass(), verbose=0, strategy=strategy, shuffle=False)
+        assert_same_history(history.history, expected)
+        assert_same_weights(model, reference)
     model, strategy = tfdist_model("default", {})
-    with pytest.raises(tfdist.UserError, match="x is a Python generator, which has no length: pass steps_per_epoch"):
-        tfdist.fit(model, batches(), verbose=0, strategy=strategy)
+    with pytest.raises(tfdist.UserError, match=r"x is a Python generator without steps_per_epoch, so it is read "
+                                               r"once: Keras' fit trains one pass and then stops \('ran out of "
+                                               r"data'\), not epochs=2"):
+        tfdist.fit(model, one_pass(), epochs=2, verbose=0, strategy=strategy)
     with pytest.raises(tfdist.UserError, match="x is a Python generator, so y must not be passed"):
         tfdist.fit(model, batches(), Y, steps_per_epoch=8, verbose=0, strategy=strategy)
 

@@ -265,6 +265,16 @@ def generator_to_dataset(generator: Iterator) -> tuple[tf.data.Dataset, int]:
     return dataset, _batch_size(first)
 
 
+def generator_pass(generator: Iterator) -> tuple[tf.data.Dataset, int]:
+    """A finite generator's one pass read into memory, as a dataset of its batches (its length now known)."""
+    batches = [_standardize(batch) for batch in generator]
+    if not batches:
+        raise UserError("The generator passed as x is exhausted: it yielded no batch.")
+    size = _batch_size(batches[0])
+    dataset = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=_spec(batches[0], None))
+    return dataset.apply(tf.data.experimental.assert_cardinality(len(batches))), size
+
+
 def _refuse_y(what: str, y: Any, sample_weight: Any) -> None:
     for name, value, holds in (("y", y, "the targets"), ("sample_weight", sample_weight, "the sample weights")):
         if value is not None:
@@ -275,7 +285,7 @@ def _refuse_y(what: str, y: Any, sample_weight: Any) -> None:
 # The entry point ----------------------------------------------------------------------
 def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_size: Optional[int],
             steps_per_epoch: Optional[int], shuffle: bool, class_weight: Optional[dict], validation_split: float,
-            seed: int) -> Prepared:
+            seed: int, epochs: int = 1) -> Prepared:
     """Applies validation_split, class_weight and shuffle and converts PyDatasets and generators (module doc)."""
     kind = _kind(x)
     if validation_split and validation_data is None and kind != "arrays":
@@ -328,10 +338,15 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
     if class_weight is not None:
         raise UserError("class_weight is not supported for a Python generator as x (as in Keras); yield "
                         "(x, y, sample_weight) batches with the class weights, or use a keras.utils.PyDataset.")
-    if steps_per_epoch is None:
-        raise UserError("x is a Python generator, which has no length: pass steps_per_epoch= (batches an epoch); "
-                        "the generator must yield steps_per_epoch x epochs batches (or be infinite).")
     if shuffle:
         warnings.warn(GENERATOR_SHUFFLE_WARNING, stacklevel=3)
+    if steps_per_epoch is None:
+        if epochs > 1:
+            raise UserError(f"x is a Python generator without steps_per_epoch, so it is read once: Keras' fit trains "
+                            f"one pass and then stops ('ran out of data'), not epochs={epochs}. Pass epochs=1, "
+                            "steps_per_epoch= (with a generator that yields steps_per_epoch x epochs batches, or "
+                            "forever), or a keras.utils.PyDataset, which is read once an epoch.")
+        dataset, first_size = generator_pass(x)
+        return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind)
     dataset, first_size = generator_to_dataset(x)
     return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind)

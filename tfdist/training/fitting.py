@@ -507,7 +507,7 @@ def fit(
                              validation_freq=validation_freq, initial_epoch=initial_epoch)
     given = fit_args.prepare(x, y, sample_weight, validation_data=validation_data, batch_size=batch_size,
                              steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
-                             validation_split=validation_split, seed=seed)
+                             validation_split=validation_split, seed=seed, epochs=epochs)
     x, y, sample_weight, validation_data, batch_size = (given.x, given.y, given.sample_weight,
                                                         given.validation_data, given.batch_size)
     source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch, examples=given.examples)
