@@ -138,7 +138,7 @@ def test_dict_model_matches_keras_fit_and_reports_keras_keys():
     def compiled(strategy):
         with strategy.scope():
             model = EXAMPLE.build_model()
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                           metrics=["accuracy"])
         return model
 
@@ -513,6 +513,8 @@ def test_sample_weight_without_targets_is_refused():
     tfdist.make_strategy("default", precision="float32")
     bad(r"x/y has sample weights but no targets", forms.endpoint(), forms.ENDPOINT_X,
         sample_weight=np.ones(128), batch_size=32)
+    bad(r"class_weight was given without y: it weights each example by its target's class", forms.endpoint(),
+        forms.ENDPOINT_X, class_weight={0: 1.0, 1: 2.0}, batch_size=32)
 
 
 @pytest.mark.jobs
@@ -569,3 +571,104 @@ def test_a_custom_step_with_fewer_examples_than_replicas_is_refused():
         custom.compile(optimizer="sgd", loss="mse")
     bad(r"batch_size=1 is smaller than the number of replicas \(2\), so a replica would run Custom.train_step\(\) "
         r"on no example", custom, np.zeros((8, 2)), np.zeros(8), batch_size=1)
+
+
+class _Hooks(keras.callbacks.Callback):
+    """Every hook Keras calls during fit (names and batch indices), and the model's logs at each."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.calls.append(("train_begin", batch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("train_end", batch, round(float(logs["loss"]), 5)))
+
+    def on_test_begin(self, logs=None):
+        self.calls.append(("test_begin",))
+
+    def on_test_end(self, logs=None):
+        self.calls.append(("test_end", sorted(logs)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(("epoch_end", epoch))
+
+
+@pytest.mark.parametrize("compiled_steps", [1, 3])
+def test_batch_hooks_follow_compiled_steps_per_execution_as_keras(compiled_steps):
+    """compile(steps_per_execution=) is read: hooks at Keras' batches (a short last execution's end index
+    included), with Keras' logs; on_test_begin/end around fit's validation; a batch of 1 on 2 replicas
+    (one replica empty) shuffled; weights equal to Keras' own fit on one device."""
+    from tests.test_fit_args import RNG, model_fn
+
+    x, y = RNG.normal(size=(15, 8)).astype("float32"), RNG.integers(0, 3, size=15)
+    reference = model_fn()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, steps_per_execution=compiled_steps)
+    expected = _Hooks()
+    reference.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0, validation_data=(x[:4], y[:4]),
+                  callbacks=[expected])
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = model_fn()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, steps_per_execution=compiled_steps)
+    seen = _Hooks()
+    tfdist.fit(model, x, y, batch_size=2, epochs=2, shuffle=False, verbose=0, validation_data=(x[:4], y[:4]),
+               callbacks=[seen])
+    assert seen.calls == expected.calls
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    with strategy.scope():
+        model = model_fn()
+    tfdist.fit(model, x, y, batch_size=1, epochs=1, shuffle=True, verbose=0)  # Shuffles an empty share.
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_tfdist_scalars_stay_out_of_the_users_tensorboard_and_per_class_metrics_are_logged(tmp_path):
+    """A TensorBoard callback's logs hold Keras' tags only (tfdist's own go to its run directory), and a
+    metric with one value per class reaches History as Keras logs it (an array)."""
+    from tests.test_fit_args import RNG, model_fn
+
+    x, y = RNG.normal(size=(16, 8)).astype("float32"), RNG.integers(0, 3, size=16)
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = model_fn()
+        model.compile(optimizer="sgd", loss="categorical_crossentropy", metrics=[keras.metrics.F1Score(average=None)])
+    onehot = np.eye(3, dtype="float32")[y]
+    history = tfdist.fit(model, x, onehot, epochs=1, batch_size=8, verbose=0, workdir=str(tmp_path / "f1"))
+    assert np.shape(history.history["f1_score"][0]) == (3,)
+    with strategy.scope():
+        model = model_fn()
+    tfdist.fit(model, x, y, epochs=1, batch_size=8, verbose=0, workdir=str(tmp_path / "run"),
+               callbacks=[keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq="batch")])
+    tags = set()
+    for path in tf.io.gfile.glob(str(tmp_path / "tb" / "*" / "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(value.tag for value in event.summary.value)
+    assert tags and not any(tag.startswith(("train/", "eval/")) for tag in tags), tags
+    own = set()
+    for path in tf.io.gfile.glob(str(tmp_path / "run" / "tensorboard" / "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            own.update(value.tag for value in event.summary.value)
+    assert "train/loss" in own, own
+
+
+def test_a_finite_dataset_with_steps_per_epoch_and_an_uneven_split_trains_the_same_on_every_topology():
+    """A stream of whole global batches (the pass's short batch is not a step boundary): 1 replica and 4
+    replicas (batch 6 split 2/2/1/1) take the same examples at every step."""
+    from tests.test_fit_args import model_fn
+
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(20, 8)).astype("float32"), rng.integers(0, 3, size=20)
+    weights = []
+    for replicas in (1, 4):
+        strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=replicas, precision="float32", **MIRRORED)
+        with strategy.scope():
+            model = model_fn()
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)
+        tfdist.fit(model, dataset, steps_per_epoch=3, epochs=2, verbose=0)
+        weights.append(model.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, atol=1e-5)

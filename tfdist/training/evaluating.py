@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
-from tfdist.training import custom_steps, fit_args, fitting, inputs, steps as steps_lib
+from tfdist.training import custom_steps, fit_args, fitting, inputs, loop, steps as steps_lib
 
 KERAS_BATCH_SIZE = 32  # Keras' default for evaluate and predict.
 
@@ -217,9 +217,9 @@ def _num_steps(num_examples: int, batch: int, backend: Backend) -> int:
     return inputs.eval_steps(num_examples, batch, _replicas(backend))
 
 
-def _steps_per_execution(value: Optional[int], backend: Backend) -> int:
-    if value is None:
-        return fitting.default_steps_per_execution(backend)
+def _steps_per_execution(value: Optional[int], backend: Backend, model: keras.Model, callbacks: Any,
+                         hooks: Sequence[str]) -> int:
+    value = fitting.resolve_steps_per_execution(value, model, callbacks, backend, hooks)
     if isinstance(value, bool) or int(value) < 1:
         raise _fail(f"steps_per_execution={value!r} must be 1 or more.")
     return int(value)
@@ -275,7 +275,7 @@ def evaluate(
     backend = fitting._backend(strategy)
     _check_evaluable(model, backend)
     arrays, batch = _held_out(model, x, y, sample_weight, batch_size, steps, targets=True)
-    per_execution = _steps_per_execution(steps_per_execution, backend)
+    per_execution = _steps_per_execution(steps_per_execution, backend, model, callbacks, loop.TEST_BATCH_HOOKS)
     fitting._check_scope(model, backend)
     fitting._build(model, backend, inputs.map_present(lambda a: a[:batch], arrays.structure))
     steps_lib.check_metrics(model, _fail)
@@ -298,7 +298,7 @@ def evaluate(
             totals = layout.combine(totals, backend.execute(functions.eval_chunk, iterator,
                                                             tf.constant(count, tf.int64)))
         logs = layout.results(totals)
-        callback_list.on_test_batch_end(first + count - 1, logs)
+        callback_list.on_test_batch_end(first + per_execution - 1, logs)
     counted = int(round(float(totals[0])))
     if counted != arrays.num_examples:
         raise RuntimeError(f"Evaluation counted {counted} examples, expected {arrays.num_examples}.")
@@ -403,7 +403,7 @@ def predict(
                     "model(x) from every replica, and cannot run a custom predict_step yet. Apply its extra logic "
                     "to the returned predictions (e.g. np.argmax(tfdist.predict(model, x), -1)).")
     arrays, batch = _held_out(model, x, None, None, batch_size, steps, targets=False)
-    per_execution = _steps_per_execution(steps_per_execution, backend)
+    per_execution = _steps_per_execution(steps_per_execution, backend, model, callbacks, loop.PREDICT_BATCH_HOOKS)
     fitting._check_scope(model, backend)
     spec = _output_spec(model, arrays, batch)
     _build_for_predict(model, backend, arrays)
@@ -429,7 +429,7 @@ def predict(
         real = min(num - offset, count * rows_per_step)
         rows = [np.asarray(w)[:real] for w in window]
         parts.append(rows)
-        callback_list.on_predict_batch_end(first + count - 1,
+        callback_list.on_predict_batch_end(first + per_execution - 1,
                                            {"outputs": tf.nest.pack_sequence_as(spec, rows)})
     callback_list.on_predict_end()
     backend.leave_last()

@@ -165,6 +165,9 @@ def class_weighted(y: Any, sample_weight: Any, class_weight: dict) -> np.ndarray
 
     if sample_weight is not None:
         raise _no_sample_weight_with_class_weight()
+    if y is None:
+        raise UserError("class_weight was given without y: it weights each example by its target's class, so it "
+                        "needs targets (pass y, or drop class_weight).")
     if tf.nest.is_nested(y):
         raise _single_output_only()
     return data_adapter_utils.class_weight_to_sample_weights(y, class_weight)

@@ -26,7 +26,7 @@ from tfdist.training import custom_steps, fit_args, inputs, steps as steps_lib
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training.loop import Controller, LoopPlan, LoopResult, Preempted, has_batch_hooks
+from tfdist.training.loop import BATCH_HOOKS, Controller, LoopPlan, LoopResult, Preempted, has_batch_hooks
 
 PLAN_FILE = "plan.json"
 
@@ -128,7 +128,7 @@ class _Source:
             return inputs.global_batches_fn(self.dataset, per_replica_batch=plan.per_replica_batch,
                                             global_batch=plan.global_batch,
                                             start_step=first if backend.sharded_input else 0,
-                                            partial_last=plan.partial_last)
+                                            partial_last=plan.partial_last, whole_batches=not self.partial)
         return inputs.resumed_fn(self.function, start_step=first, sharded=backend.sharded_input)
 
 
@@ -342,9 +342,15 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
         lower, upper = (batch_size // unit) * unit, (batch_size // unit + 1) * unit
         raise _fail(f"batch_size={batch_size} does not divide evenly across {replicas} replica(s) x "
                     f"{grad_accum_steps} accumulation step(s), and {why_even}; use a multiple of {unit}, e.g. "
-                    f"{lower or upper} or {upper}.")
+                    + (f"{lower} or {upper}." if lower else f"{upper}."))
     whole = num_train // batch_size
     partial_last = partial_dataset
+    if array_input and steps_per_epoch is not None and steps_per_epoch > -(-num_train // batch_size):
+        # As Keras: the arrays' batches are trained, and it warns that the input ran out of data.
+        logging.warning("steps_per_epoch=%d is more than the %d batches the arrays hold: your input ran out of data, "
+                        "so each epoch trains those %d batches (as Keras does).", steps_per_epoch,
+                        -(-num_train // batch_size), -(-num_train // batch_size))
+        steps_per_epoch = None
     if steps_per_epoch is None:
         # As Keras: every example once an epoch, the last batch holding what is left. Parameter-server
         # workers read without epochs (each in its own random order), in whole batches.
@@ -352,6 +358,10 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
         steps_per_epoch = -(-num_train // batch_size) if partial_last else whole
         if steps_per_epoch < 1:
             raise _fail(f"batch_size={batch_size} is larger than the training set ({num_train} examples).")
+    limit = keras.config.max_steps_per_epoch()  # Keras' global cap (keras.config.set_max_steps_per_epoch).
+    if limit and steps_per_epoch > limit:
+        logging.warning("Limiting steps_per_epoch to %d (keras.config.max_steps_per_epoch).", limit)
+        steps_per_epoch, partial_last = limit, partial_dataset
     if partial_last and backend.device_kind == "tpu":
         raise _fail(f"The training set ({num_train} examples) does not divide into global batches of "
                     f"{batch_size}, and a TPU compiles one shape: its last, partial batch cannot be trained as "
@@ -380,8 +390,24 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
 
 
 def default_steps_per_execution(backend: Backend) -> int:
-    """Steps per compiled execution when none is given: 100 on TPUs (host round trips cost most), else 10."""
+    """Steps per compiled execution when nothing asks for a number: 100 on TPUs (round trips cost most), else 10."""
     return 100 if backend.device_kind == "tpu" else 10
+
+
+def resolve_steps_per_execution(given: Optional[int], model: keras.Model, callbacks: Any, backend: Backend,
+                                hooks: Sequence[str]) -> Optional[int]:
+    """Steps per execution: tfdist's argument; else `compile(steps_per_execution=)` where the model was compiled
+    with more than 1; else 1 where a callback has per-batch `hooks` (Keras calls them after every
+    `steps_per_execution` batches, and compile's default is 1); else tfdist's default.
+    """
+    if given is not None:
+        return given
+    compiled = getattr(model, "steps_per_execution", 1)
+    if isinstance(compiled, int) and not isinstance(compiled, bool) and compiled > 1:
+        return compiled
+    if has_batch_hooks(list(callbacks or []), hooks):
+        return 1
+    return default_steps_per_execution(backend)
 
 
 def check_resume(path: str, plan: LoopPlan) -> None:
@@ -499,6 +525,9 @@ def fit(
     steps_lib.check_custom_steps(model, backend, grad_accum_steps=grad_accum_steps, error=_fail)
     if epochs < 1:
         raise _fail(f"epochs={epochs} must be 1 or more.")
+    if keras.config.max_epochs() and keras.config.max_epochs() < epochs:  # Keras' global cap, as its fit reads it.
+        logging.warning("Limiting epochs to %d (keras.config.max_epochs).", keras.config.max_epochs())
+        epochs = keras.config.max_epochs()
     if grad_accum_steps < 1:
         raise _fail(f"grad_accum_steps={grad_accum_steps} must be 1 or more.")
     if not checkpoint_every_secs >= 0:
@@ -520,7 +549,9 @@ def fit(
     validation = _validation(model, validation_data, source)
     _check_scope(model, backend)
     plan = _plan(backend, num_train=source.num_examples, batch_size=int(batch_size), epochs=epochs,
-                 grad_accum_steps=grad_accum_steps, steps_per_execution=steps_per_execution,
+                 grad_accum_steps=grad_accum_steps,
+                 steps_per_execution=resolve_steps_per_execution(steps_per_execution, model, callbacks, backend,
+                                                                 BATCH_HOOKS),
                  steps_per_epoch=source.steps_per_epoch, seed=seed, max_steps=max_steps,
                  extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {}),
                         **fit_args.plan_fields(shuffle=source.shuffle, class_weight=class_weight,
@@ -766,9 +797,9 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         batch_hooks=has_batch_hooks(list(callbacks or [])), precision=precision,
         initial_epoch=initial_epoch, validation_freq=validation_freq,
     )
-    writer = rundir.summary_writer() if rundir is not None else tf.summary.create_noop_writer()
-    with writer.as_default():
-        result = controller.run(start_step)
-        writer.flush()
+    controller.writer = rundir.summary_writer() if rundir is not None else None
+    result = controller.run(start_step)
+    if controller.writer is not None:
+        controller.writer.flush()
     result.device_step_count = getattr(step_functions, "device_step_count", None)
     return result

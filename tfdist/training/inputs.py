@@ -150,8 +150,11 @@ def train_arrays_fn(
             def order(positions: tf.Tensor) -> tf.Tensor:
                 if not shuffle:
                     return positions
+                # Elementwise; one extra position, dropped, as the op rejects an empty vector (a replica
+                # whose share of a batch smaller than the replica count is empty).
+                padded = tf.concat([positions, tf.zeros([1], tf.int64)], 0)
                 return tf.random.experimental.index_shuffle(
-                    positions, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)
+                    padded, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)[:-1]
 
             if not partial_last:
                 offset = start + first_replica * per_replica_batch
@@ -255,7 +258,8 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
 
 
 def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start_step: int = 0,
-                      partial_last: bool = False, global_batch: Optional[int] = None) -> DatasetFn:
+                      partial_last: bool = False, global_batch: Optional[int] = None,
+                      whole_batches: bool = False) -> DatasetFn:
     """Per-replica batches cut from a dataset of global batches, the same way on every topology.
 
     Every pipeline reads the whole dataset (repeated), re-cuts it into global
@@ -266,7 +270,9 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
     holds what is left (as Keras' fit trains it), split evenly over the replicas,
     and every element ends with the step's global example count; so does every
     element where the replicas do not divide `global_batch` (each global batch
-    then split as evenly as it can be).
+    then split as evenly as it can be). With `whole_batches` (a split the replicas do not divide, but no pass
+    ending short: `steps_per_epoch` given) the dataset is read as one stream of whole global batches, as without
+    `partial_last`, so no step depends on where a pass ends.
     """
     given = global_batch
 
@@ -292,7 +298,10 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
 
             return tf.data.Dataset.range(here).map(replica_batch)
 
-        if partial_last:
+        if partial_last and whole_batches:
+            ds = dataset.repeat().unbatch().batch(global_batch, drop_remainder=True).skip(start_step)
+            ds = ds.flat_map(mine_split)
+        elif partial_last:
             ds = dataset.unbatch().batch(global_batch).repeat().skip(start_step).flat_map(mine_split)
         else:
             ds = dataset.repeat().unbatch().batch(global_batch, drop_remainder=True).skip(start_step).flat_map(mine)

@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import keras
 import numpy as np
@@ -149,7 +149,7 @@ class Progress:
             return
         quarter = max(1, self.steps_per_epoch // 4)
         if step_in_epoch // quarter != self.last_logged // quarter or step_in_epoch == self.steps_per_epoch:
-            shown = " ".join(f"{k}={v:.4f}" for k, v in layout.results(totals).items())
+            shown = show_logs(layout.results(totals))
             logging.info("epoch %d: step %d/%d %s", epoch + 1, step_in_epoch, self.steps_per_epoch, shown)
         self.last_logged = step_in_epoch
 
@@ -232,6 +232,7 @@ class Controller:
         self.val_examples: Optional[int] = None
         self.initial_epoch = initial_epoch  # fit(initial_epoch=): a BackupAndRestore's restored epoch wins.
         self.validation_freq = validation_freq
+        self.writer: Optional[Any] = None  # The run directory's summary writer (set by fitting); None: none.
 
     # Agreement ----------------------------------------------------------------
     def check_agreement(self, step: int, precision: str) -> None:
@@ -273,15 +274,26 @@ class Controller:
 
     # Running ------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
+        """The validation logs (``val_`` names); the callbacks' on_test_begin/on_test_end around it, as Keras' fit
+        validates by calling its evaluate (SwapEMAWeights swaps there, TensorBoard writes evaluation scalars)."""
         if self.eval_iterator_fn is None:
             return {}
+        self.callbacks.on_test_begin()
         totals = self.backend.execute(self.steps.eval_chunk, self.eval_iterator_fn(),
                                       tf.constant(self.eval_steps, tf.int64))
         count = int(round(float(totals[0])))
         if self.eval_examples is not None and count != self.eval_examples:
             raise RuntimeError(f"Evaluation counted {count} examples, expected {self.eval_examples}.")
         self.val_examples = count
+        self.callbacks.on_test_end(self.steps.eval_layout.results(totals))
         return self.steps.eval_layout.results(totals, prefix="val_")
+
+    def _keras_execution_ends(self, step: int, epoch: int) -> bool:
+        """Whether `step` ends one of Keras' executions (every steps_per_execution batches of an epoch, or the
+        epoch's end): tfdist may run one in several (a short last batch, a checkpoint), its hooks run once."""
+        plan = self.plan
+        return (step - epoch * plan.steps_per_epoch) % plan.steps_per_execution == 0 or \
+            step % plan.steps_per_epoch == 0 or step == plan.total_steps
 
     def run(self, start_step: int) -> LoopResult:
         plan, backend, steps = self.plan, self.backend, self.steps
@@ -342,14 +354,15 @@ class Controller:
                             short = (dispatched // plan.steps_per_epoch + 1) * plan.steps_per_epoch - 1
                             if dispatched < short:
                                 num = min(num, short - dispatched)
-                        if self.batch_hooks:
+                        if self.batch_hooks and (dispatched - epoch * plan.steps_per_epoch) % \
+                                plan.steps_per_execution == 0:  # Keras' executions begin at these batches.
                             self.callbacks.on_train_batch_begin(dispatched - epoch * plan.steps_per_epoch)
                         self._profile_start(dispatched)
                         pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
                                                               stop_arg)))
                         dispatched += num
 
-                segment_examples, agreed_stop, fetching = 0, False, False
+                segment_examples, agreed_stop, fetching, batch_nonfinite = 0, False, False, False
                 try:
                     fill()
                     while pending:
@@ -369,11 +382,17 @@ class Controller:
                             fill()  # The next execution runs while this one's results are handled.
                         nonfinite = int(round(float(totals[1])))
                         epoch_totals = layout.combine(epoch_totals, totals)
-                        if self.batch_hooks:
+                        batch_nonfinite = batch_nonfinite or bool(nonfinite and not self.loss_scaling)
+                        if self.batch_hooks and self._keras_execution_ends(step, epoch):
                             batch_logs = layout.results(epoch_totals)
-                            if nonfinite and not self.loss_scaling:
+                            if batch_nonfinite:
                                 batch_logs["loss"] = float("nan")  # What Keras' logs show (TerminateOnNaN reads it).
-                            self.callbacks.on_train_batch_end(step - 1 - epoch * plan.steps_per_epoch, batch_logs)
+                            batch_nonfinite = False
+                            # Keras' index: the execution's first batch + steps_per_execution - 1, also for a
+                            # short last execution.
+                            local = step - 1 - epoch * plan.steps_per_epoch
+                            self.callbacks.on_train_batch_end(
+                                local - local % plan.steps_per_execution + plan.steps_per_execution - 1, batch_logs)
                         epoch_nonfinite = epoch_nonfinite or bool(nonfinite and not self.loss_scaling)
                         epoch_nonfinite_seen = epoch_nonfinite_seen or epoch_nonfinite
                         if nonfinite and not self.loss_scaling and not self.model.stop_training:
@@ -420,7 +439,7 @@ class Controller:
                     steady_examples += segment_examples
                     steady_seconds += seconds
                 if segment_examples:
-                    tf.summary.scalar("train/examples_per_sec", segment_examples / seconds, step=step)
+                    self._scalar("train/examples_per_sec", segment_examples / seconds, step=step)
                 if agreed_stop or (backend.single_controller and stop.requested):
                     raise Preempted(step, self.save_fn(step))
                 at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps or \
@@ -433,11 +452,11 @@ class Controller:
                     epoch_val = self.evaluate() if should_validate(epoch, self.validation_freq) else {}
                     val_logs = epoch_val or val_logs
                     for name, value in epoch_val.items():
-                        tf.summary.scalar(f"eval/{name[4:]}", value, step=step)
+                        self._scalar(f"eval/{name[4:]}", value, step=step)
                     logs = {**train_logs, **epoch_val}
                     if backend.is_chief:
                         logging.info("epoch %d/%d step %d: %s (%.1fs)", epoch + 1, plan.epochs, step,
-                                     " ".join(f"{k}={v:.4f}" for k, v in logs.items()), epoch_seconds[epoch])
+                                     show_logs(logs), epoch_seconds[epoch])
                     epoch_totals = np.zeros(layout.size)
                     self.callbacks.on_epoch_end(epoch, logs)
                     epoch_open = False
@@ -489,12 +508,21 @@ class Controller:
                 tf.profiler.experimental.stop()
                 self._profiling = False
 
+    def _scalar(self, name: str, value: Any, step: int) -> None:
+        """One of tfdist's own scalars, to its run directory's writer only: a Keras TensorBoard callback makes
+        its writer the default while it runs, and tfdist's scalars do not belong in the user's logs."""
+        # None, not the no-op writer: its as_default() leaves the user's writer the default. Scalars only.
+        if self.writer is None or np.ndim(value) != 0:
+            return
+        with self.writer.as_default():
+            tf.summary.scalar(name, value, step=step)
+
     def _train_summaries(self, logs: dict[str, float], step: int) -> None:
         for name, value in logs.items():
-            tf.summary.scalar(f"train/{name}", value, step=step)
+            self._scalar(f"train/{name}", value, step=step)
         learning_rate = _learning_rate(self.model.optimizer)  # Read while the next execution may run.
         if learning_rate is not None:
-            tf.summary.scalar("train/learning_rate", learning_rate, step=step)
+            self._scalar("train/learning_rate", learning_rate, step=step)
 
     def _profile_start(self, first_step: int) -> None:
         """Starts the TensorFlow profiler before dispatching the execution that runs step START."""
@@ -516,16 +544,25 @@ class Controller:
 BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
 
+def show_logs(logs: dict) -> str:
+    """``name=value`` pairs; a metric with one value per class (F1Score(average=None)) as its list."""
+    return " ".join(f"{k}={v:.4f}" if np.ndim(v) == 0 else f"{k}={np.round(v, 4).tolist()}" for k, v in logs.items())
+
+
 def diverged_stop(model: keras.Model, nonfinite_seen: bool) -> bool:
     """Whether a callback stopped training after a non-finite (unskipped) step: nothing to save then."""
     return bool(model.stop_training and nonfinite_seen)
 
 
-def has_batch_hooks(callbacks: Any) -> bool:
-    """Whether any of `callbacks` overrides a per-batch training hook (Keras marks the base ones as defaults)."""
+TEST_BATCH_HOOKS = ("on_test_batch_begin", "on_test_batch_end")
+PREDICT_BATCH_HOOKS = ("on_predict_batch_begin", "on_predict_batch_end")
+
+
+def has_batch_hooks(callbacks: Any, hooks: Sequence[str] = BATCH_HOOKS) -> bool:
+    """Whether any of `callbacks` overrides one of the per-batch `hooks` (Keras marks the base ones as defaults)."""
     from keras.src.utils.python_utils import is_default
 
-    return any(not is_default(getattr(cb, name)) for cb in callbacks for name in BATCH_HOOKS)
+    return any(not is_default(getattr(cb, name)) for cb in callbacks for name in hooks)
 
 
 def finalize_optimizer(model: keras.Model, backend: Backend) -> None:

@@ -118,7 +118,8 @@ class MetricLayout:
             start += count
             items = result.items() if isinstance(result, dict) else [(metric.name, result)]
             for name, value in items:
-                logs[name] = float(np.asarray(value))
+                value = np.asarray(value)
+                logs[name] = float(value) if value.ndim == 0 else value  # As Keras' pythonify_logs.
         if self.keys is not None:
             last = self.logs.results(np.asarray(totals[self.base:])) if self.logs is not None else {}
             logs = {key: logs[key] if key in logs else last[key] for key in self.keys}

@@ -50,6 +50,7 @@ import sys
 import tempfile
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -568,7 +569,9 @@ class RunDir:
 
     def write_json(self, name: str, values: dict[str, Any]) -> None:
         if self.is_chief:
-            self.write_text(name, json.dumps(values, indent=2, sort_keys=True) + "\n")
+            # A metric with one value per class (F1Score(average=None)) as its list.
+            self.write_text(name, json.dumps(values, indent=2, sort_keys=True,
+                                             default=lambda v: np.asarray(v).tolist()) + "\n")
 
     def record_membership(self, step: int, num_workers: int, num_replicas: int) -> list[dict[str, Any]]:
         """Appends this start (step, workers, replicas) to membership.json; returns the whole record."""
