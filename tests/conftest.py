@@ -87,8 +87,7 @@ def load_weights(path: str) -> list[np.ndarray]:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "jobs: a real multi-process job (tfdist-launch, parameter servers, SSH). The tests-tf2.21 nox "
-                   "session runs them; tests-tf2.18-horovod deselects them (-m 'not jobs') and runs the rest, "
-                   "Horovod included, to keep CI short.")
+                   "session runs them; tests-tf2.18-horovod runs only `horovod or (keras_internals and not jobs)`.")
     config.addinivalue_line(
         "markers", "horovod: runs Horovod for real (tests.test_horovod.needs_horovod): the tests-tf2.18-horovod "
                    "nox session selects these, where Horovod builds; elsewhere they skip.")

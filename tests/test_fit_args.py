@@ -319,10 +319,12 @@ def test_generator_trains_as_keras_with_or_without_steps_per_epoch():
         assert_same_history(history.history, expected)
         assert_same_weights(model, reference)
     model, strategy = tfdist_model("default", {})
-    with pytest.raises(tfdist.UserError, match=r"x is a Python generator without steps_per_epoch, so it is read "
-                                               r"once: Keras' fit trains one pass and then stops \('ran out of "
-                                               r"data'\), not epochs=2"):
-        tfdist.fit(model, one_pass(), epochs=2, verbose=0, strategy=strategy)
+    with pytest.warns(UserWarning, match=r"its one pass is epoch 2, and your input ran out of data, so epochs 3-4 "
+                                         r"are not trained"):  # Keras trains that pass, then has no data.
+        history = tfdist.fit(model, one_pass(), epochs=4, initial_epoch=1, verbose=0, strategy=strategy,
+                             shuffle=False)
+    assert history.epoch == [1]
+    assert int(model.optimizer.iterations.numpy()) == 8
     with pytest.raises(tfdist.UserError, match="x is a Python generator, so y must not be passed"):
         tfdist.fit(model, batches(), Y, steps_per_epoch=8, verbose=0, strategy=strategy)
 
@@ -400,3 +402,47 @@ def test_two_workers_train_as_keras_with_the_extra_arguments(tmp_path):
         for a, b in zip(got, wanted):
             np.testing.assert_allclose(a, b, atol=1e-5)
         assert_same_history(json.loads(str(saved["history"])), expected)
+
+
+def test_a_distributed_dataset_is_refused_naming_what_to_pass():
+    strategy = tfdist.make_strategy("mirrored", precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = model_fn()
+    distributed = strategy.distribute_datasets_from_function(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((X[:8], Y[:8])).batch(2))
+    for call in (lambda: tfdist.fit(model, distributed, steps_per_epoch=2, verbose=0),
+                 lambda: tfdist.evaluate(model, distributed, verbose=0)):
+        with pytest.raises(tfdist.UserError, match="x is a tf.distribute DistributedDataset .*; tfdist distributes "
+                                                   "the input itself"):
+            call()
+
+
+def test_validation_steps_and_batch_size_validate_what_keras_validates():
+    """validation_steps: the first batches of validation_batch_size (arrays), of a dataset, of an endless
+    generator; val_ logs equal Keras' own fit on one device."""
+    x, y = RNG.normal(size=(64, 8)).astype("float32"), RNG.integers(0, 3, size=64)
+    xv, yv = RNG.normal(size=(40, 8)).astype("float32"), RNG.integers(0, 3, size=40)
+
+    def endless():
+        while True:
+            for i in range(0, 40, 8):
+                yield xv[i:i + 8], yv[i:i + 8]
+
+    forms = [dict(validation_data=(xv, yv), validation_steps=3, validation_batch_size=6),
+             dict(validation_data=tf.data.Dataset.from_tensor_slices((xv, yv)).batch(8), validation_steps=2),
+             dict(validation_data=endless, validation_steps=4)]
+    for form in forms:
+        # An endless generator: one epoch (Keras reads its next batches at the next epoch; tfdist reads them once).
+        epochs = 1 if callable(form["validation_data"]) else 2
+        given = dict(form, validation_data=form["validation_data"]() if callable(form["validation_data"])
+                     else form["validation_data"])
+        reference = model_fn()
+        expected = reference.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, **given).history
+        given = dict(form, validation_data=form["validation_data"]() if callable(form["validation_data"])
+                     else form["validation_data"])
+        model, strategy = tfdist_model("mirrored", MIRRORED)
+        history = tfdist.fit(model, x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                             strategy=strategy, **given).history
+        assert_same_history(history, expected)
+    with pytest.raises(tfdist.UserError, match="validation_steps=0 must be a positive number of batches"):
+        tfdist.fit(model, x, y, validation_data=(xv, yv), validation_steps=0, verbose=0, strategy=strategy)

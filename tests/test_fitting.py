@@ -589,6 +589,15 @@ class _Hooks(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         self.calls.append(("test_begin",))
 
+    def on_test_batch_begin(self, batch, logs=None):
+        self.calls.append(("test_batch_begin", batch))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.calls.append(("test_batch_end", batch, round(float(logs["loss"]), 5)))
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.calls.append(("predict_batch_end", batch, np.round(np.asarray(logs["outputs"]), 4).tolist()))
+
     def on_test_end(self, logs=None):
         self.calls.append(("test_end", sorted(logs)))
 
@@ -620,6 +629,13 @@ def test_batch_hooks_follow_compiled_steps_per_execution_as_keras(compiled_steps
     assert seen.calls == expected.calls
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
+    # evaluate and predict: their hooks per Keras batch too (each batch split over the replicas).
+    expected, seen = _Hooks(), _Hooks()
+    reference.evaluate(x, y, batch_size=3, verbose=0, callbacks=[expected])
+    reference.predict(x, batch_size=4, verbose=0, callbacks=[expected])
+    tfdist.evaluate(model, x, y, batch_size=3, verbose=0, callbacks=[seen])
+    tfdist.predict(model, x, batch_size=4, verbose=0, callbacks=[seen])
+    assert seen.calls == expected.calls
     with strategy.scope():
         model = model_fn()
     tfdist.fit(model, x, y, batch_size=1, epochs=1, shuffle=True, verbose=0)  # Shuffles an empty share.
@@ -671,4 +687,41 @@ def test_a_finite_dataset_with_steps_per_epoch_and_an_uneven_split_trains_the_sa
         tfdist.fit(model, dataset, steps_per_epoch=3, epochs=2, verbose=0)
         weights.append(model.get_weights())
     for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_dataset_of_x_alone_trains_an_endpoint_model_as_keras():
+    """A dataset yielding x only (a dict of inputs, or (x,)), for a model whose loss comes from an endpoint
+    layer: trained as Keras' own fit on one device trains it."""
+    from tests import keras_forms as forms
+
+    def batches(form):
+        dataset = tf.data.Dataset.from_tensor_slices(forms.ENDPOINT_X)
+        return (dataset if form == "bare" else dataset.map(lambda x: (x,))).batch(16)
+
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    for form in ("bare", "tuple"):
+        reference = forms.endpoint()
+        expected = reference.fit(batches(form), epochs=2, verbose=0).history
+        with strategy.scope():
+            model = forms.endpoint()
+        history = tfdist.fit(model, batches(form), epochs=2, verbose=0).history
+        np.testing.assert_allclose(history["loss"], expected["loss"], atol=1e-5)
+        for a, b in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_synchronized_batch_norm_with_an_empty_replica_keeps_keras_moving_statistics():
+    """A last batch of one example on 2 replicas: the empty replica's synchronized statistics are the global
+    batch's, so the moving mean and variance stay Keras' (kept stale, they would lag by half an update)."""
+    from tests import keras_forms as forms
+
+    x, y = [a[:65] for a in forms.SIAMESE_X], forms.SIAMESE_Y[:65]  # 2 batches of 32 and one of 1.
+    reference = forms.siamese()
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = forms.siamese()
+    tfdist.fit(model, x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)

@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
-from tfdist.training import custom_steps, fit_args, fitting, inputs, loop, steps as steps_lib
+from tfdist.training import columns, custom_steps, fit_args, fitting, inputs, loop, steps as steps_lib
 
 KERAS_BATCH_SIZE = 32  # Keras' default for evaluate and predict.
 
@@ -106,10 +106,10 @@ def _joined(parts: list, what: str) -> tuple:
     if not parts:
         raise _fail(f"{what} yields no batches; pass a dataset holding at least one batch.")
     first = tf.nest.flatten(parts[0])[0]
-    if np.ndim(first) == 0:
+    if columns.ndim(first) == 0:
         raise _fail(f"{what} yields scalars, not batches; batch it (dataset.batch(32)) first.")
-    joined = tf.nest.map_structure(lambda *leaves: np.concatenate(leaves), *parts)
-    return (*_unpack(joined), int(len(first)))
+    joined = tf.nest.map_structure(lambda *leaves: columns.concat(leaves), *parts)
+    return (*_unpack(joined), columns.rows(first))
 
 
 def _batch_size(batch_size: Optional[int], steps: Optional[int], num_examples: int) -> int:
@@ -124,7 +124,7 @@ def _batch_size(batch_size: Optional[int], steps: Optional[int], num_examples: i
 def _first(arrays: inputs.Arrays, count: int) -> inputs.Arrays:
     if count >= arrays.num_examples:
         return arrays
-    return inputs.Arrays(*inputs.map_present(lambda a: a[:count], arrays.structure))
+    return inputs.Arrays(*inputs.map_present(lambda a: columns.head(a, count), arrays.structure))
 
 
 def _held_out(model: keras.Model, x: Any, y: Any, sample_weight: Any, batch_size: Optional[int],
@@ -133,6 +133,7 @@ def _held_out(model: keras.Model, x: Any, y: Any, sample_weight: Any, batch_size
     if steps is not None and (isinstance(steps, bool) or int(steps) < 1):
         raise _fail(f"steps={steps!r} must be a positive number of batches, or None (all the data).")
     batch = None
+    fit_args.refuse_distributed(x)
     python = fit_args.is_generator(x) or fit_args.is_py_dataset(x)
     if isinstance(x, tf.data.Dataset) or callable(x) or python:
         if y is not None or sample_weight is not None:
@@ -161,10 +162,10 @@ def _predict_arrays(model: keras.Model, x: Any) -> inputs.Arrays:
         raise _fail("x is None; pass the inputs to predict (arrays, a dict of arrays, or a dataset).")
     leaves = tf.nest.flatten(x)
     for leaf in leaves:
-        if leaf.ndim == 0:
+        if columns.ndim(leaf) == 0:
             raise _fail("x holds a scalar; every input needs a leading example dimension.")
-    if len({len(leaf) for leaf in leaves}) > 1:
-        shown = ", ".join(str(len(leaf)) for leaf in leaves)
+    if len({columns.rows(leaf) for leaf in leaves}) > 1:
+        shown = ", ".join(str(columns.rows(leaf)) for leaf in leaves)
         raise _fail(f"The inputs of x disagree on the number of examples ({shown}); every array needs the same "
                     "first dimension.")
     _check_structure(model, x)
@@ -202,7 +203,9 @@ def _check_structure(model: keras.Model, x: Any) -> None:
         raise _fail(f"predict: x holds {len(given)} array(s), but the model takes {len(wanted)}. {fix}")
     for array, tensor in zip(given, wanted):
         shape = tuple(tensor.shape)[1:]
-        if array.ndim - 1 != len(shape) or any(w is not None and w != g for w, g in zip(shape, array.shape[1:])):
+        given_shape = tuple(array.shape)[1:]
+        if columns.ndim(array) - 1 != len(shape) or any(
+                w is not None and g is not None and w != g for w, g in zip(shape, given_shape)):
             raise _fail(f"predict: an array of shape {array.shape} was given for input {tensor.name}, which takes "
                         f"(examples, {', '.join('None' if d is None else str(d) for d in shape)}). {fix}")
 
@@ -246,6 +249,15 @@ def _callback_list(model: keras.Model, backend: Backend, callbacks: Optional[Seq
                                         epochs=1, steps=num_steps, model=model)
 
 
+def keras_batch_steps(model: keras.Model, backend: Backend, callbacks: Any, hooks: Sequence[str]) -> bool:
+    """Whether each step is one Keras batch split over the replicas (instead of one whole batch per replica):
+    where a callback has per-batch `hooks`, so they come once per Keras batch, as in Keras. Not for a custom
+    test_step (its trackers average whole batches' means), a TPU (one shape) or parameter servers (the chief
+    evaluates alone)."""
+    return (_replicas(backend) > 1 and backend.device_kind != "tpu" and not custom_steps.overrides(model, "test_step")
+            and loop.has_batch_hooks(list(callbacks or []), hooks))
+
+
 def _executions(num_steps: int, per_execution: int) -> list[tuple[int, int]]:
     """(first step, steps) of each compiled execution."""
     return [(first, min(per_execution, num_steps - first)) for first in range(0, num_steps, per_execution)]
@@ -277,16 +289,18 @@ def evaluate(
     arrays, batch = _held_out(model, x, y, sample_weight, batch_size, steps, targets=True)
     per_execution = _steps_per_execution(steps_per_execution, backend, model, callbacks, loop.TEST_BATCH_HOOKS)
     fitting._check_scope(model, backend)
-    fitting._build(model, backend, inputs.map_present(lambda a: a[:batch], arrays.structure))
+    fitting._build(model, backend, inputs.map_present(lambda a: columns.head(a, batch), arrays.structure))
     steps_lib.check_metrics(model, _fail)
-    num_steps = _num_steps(arrays.num_examples, batch, backend)
     custom = custom_steps.overrides(model, "test_step")  # Each replica's step gets whole Keras batches.
+    split = keras_batch_steps(model, backend, callbacks, loop.TEST_BATCH_HOOKS)
+    num_steps = -(-arrays.num_examples // batch) if split else _num_steps(arrays.num_examples, batch, backend)
     functions = steps_lib.StepFunctions(
         model, backend, grad_accum_steps=1, step_counter=None, training=False,
         eval_example=custom_steps.keras_data(inputs.drop_none(arrays.structure)) if custom else None)
     layout = functions.eval_layout
     dataset = backend.distribute_eval_dataset(inputs.eval_arrays_fn(
-        arrays, per_replica_batch=batch, steps=num_steps, static_shapes=backend.device_kind == "tpu"))
+        arrays, per_replica_batch=batch, steps=num_steps, static_shapes=backend.device_kind == "tpu",
+        keras_batch=batch if split else None))
     iterator = iter(dataset)
     callback_list = _callback_list(model, backend, callbacks, verbose, num_steps)
     callback_list.on_test_begin()
@@ -310,12 +324,16 @@ def evaluate(
 
 
 # predict -------------------------------------------------------------------------------------
-def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: int) -> inputs.DatasetFn:
+def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: int,
+                      keras_batch: Optional[int] = None) -> inputs.DatasetFn:
     """Per-replica batches ``(x, positions)`` in `inputs.eval_arrays_fn`'s layout, always padded (static shapes).
 
     ``positions`` are the examples' indices in the input; padding rows (whose
     inputs repeat the last example) have positions past the end, so their
-    predictions land past the last row and are cut off on the host.
+    predictions land past the last row and are cut off on the host. With
+    `keras_batch` step s is Keras' batch s split as evenly as can be over the
+    replicas (`inputs.eval_arrays_fn`); padding rows then have position -1 (the
+    predictor's spare row).
     """
     num = arrays.num_examples
 
@@ -323,14 +341,20 @@ def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: i
         here = max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
         replicas = ctx.num_replicas_in_sync
         first_replica = ctx.input_pipeline_id * here
-        x = tf.nest.map_structure(tf.constant, arrays.x)
+        x = tf.nest.map_structure(columns.constant, arrays.x)
 
         def replica_batch(slot: tf.Tensor) -> tuple:
             step, local = slot // here, slot % here
-            positions = (step * replicas + first_replica + local) * per_replica_batch + tf.range(
-                per_replica_batch, dtype=tf.int64)
-            indices = tf.minimum(positions, num - 1)
-            return tf.nest.map_structure(lambda t: tf.gather(t, indices), x), positions
+            if keras_batch is None:
+                positions = (step * replicas + first_replica + local) * per_replica_batch + tf.range(
+                    per_replica_batch, dtype=tf.int64)
+            else:
+                start = step * keras_batch
+                mine = inputs.split_range(start, tf.clip_by_value(num - start, 0, keras_batch), replicas,
+                                          first_replica + local)
+                positions = tf.concat([mine, -tf.ones([per_replica_batch - tf.size(mine)], tf.int64)], 0)
+            indices = tf.clip_by_value(positions, 0, num - 1)
+            return tf.nest.map_structure(lambda t: columns.gather(t, indices), x), positions
 
         ds = tf.data.Dataset.range(steps * here).map(replica_batch)
         return ds.prefetch(tf.data.AUTOTUNE).with_options(inputs.options())
@@ -345,13 +369,14 @@ class _Predictor:
         self.model, self.backend, self.specs, self.window = model, backend, specs, window
         self.chunk = backend.compile(self._chunk)
 
-    def _zeros(self) -> list[tf.Tensor]:
-        return [tf.zeros((self.window, *shape), dtype) for shape, dtype in self.specs]
+    def _zeros(self) -> list[tf.Tensor]:  # One spare row past the window: padding rows (position -1) land there.
+        return [tf.zeros((self.window + 1, *shape), dtype) for shape, dtype in self.specs]
 
     def _replica_step(self, element: tuple, buffers: list, offset: tf.Tensor) -> list[tf.Tensor]:
         x, positions = element
         outputs = tf.nest.flatten(self.model(x, training=False))
-        rows = tf.reshape(positions - offset, [-1, 1])  # Within the window: the execution's steps cover it.
+        # Within the window (the execution's steps cover it), or the spare row.
+        rows = tf.reshape(tf.where(positions >= 0, positions - offset, self.window), [-1, 1])
         return [tf.tensor_scatter_nd_add(buffer, rows, tf.cast(output, buffer.dtype))
                 for buffer, output in zip(buffers, outputs)]
 
@@ -365,7 +390,9 @@ class _Predictor:
 
 
 def _output_spec(model: keras.Model, arrays: inputs.Arrays, batch: int) -> Any:
-    example = tf.nest.map_structure(lambda a: keras.KerasTensor((batch, *a.shape[1:]), a.dtype.name), arrays.x)
+    example = tf.nest.map_structure(
+        lambda a: keras.KerasTensor((batch, *a.shape[1:]), a.dtype.name, sparse=isinstance(a, tf.SparseTensor),
+                                    ragged=isinstance(a, tf.RaggedTensor)), arrays.x)
     try:
         return model.compute_output_spec(example)
     except Exception as e:  # The model's own call on these inputs: one paragraph naming the fix.
@@ -378,7 +405,7 @@ def _build_for_predict(model: keras.Model, backend: Backend, arrays: inputs.Arra
     if model.built:
         return
     with backend.scope():  # The variables are the strategy's.
-        model(inputs.map_present(lambda a: a[:1], arrays.x), training=False)
+        model(inputs.map_present(lambda a: columns.head(a, 1), arrays.x), training=False)
 
 
 @fitting.naming_bad_ids
@@ -408,16 +435,22 @@ def predict(
     spec = _output_spec(model, arrays, batch)
     _build_for_predict(model, backend, arrays)
     replicas = _replicas(backend)
-    num, rows_per_step = arrays.num_examples, batch * replicas
-    num_steps = _num_steps(num, batch, backend)
+    split = keras_batch_steps(model, backend, callbacks, loop.PREDICT_BATCH_HOOKS)
+    num, rows_per_step = arrays.num_examples, batch if split else batch * replicas
+    num_steps = -(-num // batch) if split else _num_steps(num, batch, backend)
     leaves = tf.nest.flatten(spec)
+    # Ragged inputs give ragged outputs (their spec may not say so); sparse ones dense outputs, as a rule.
+    if any(isinstance(a, tf.RaggedTensor) for a in tf.nest.flatten(arrays.x)) or \
+            any(getattr(leaf, "ragged", False) or getattr(leaf, "sparse", False) for leaf in leaves):
+        return _predict_composite(model, backend, arrays, batch, spec, callbacks, verbose)
     specs = [(tuple(leaf.shape)[1:], tf.as_dtype(leaf.dtype)) for leaf in leaves]
     if any(d is None for shape, _ in specs for d in shape):
         raise _fail(f"predict: the model's outputs have no fixed shape for these inputs ({[s for s, _ in specs]} "
                     "per example); tfdist.predict gathers fixed-shape rows. Pad the inputs to a fixed shape.")
     predictor = _Predictor(model, backend, specs, window=per_execution * rows_per_step)
-    iterator = iter(backend.distribute_eval_dataset(predict_arrays_fn(arrays, per_replica_batch=batch,
-                                                                      steps=num_steps)))
+    iterator = iter(backend.distribute_eval_dataset(predict_arrays_fn(
+        arrays, per_replica_batch=-(-batch // replicas) if split else batch, steps=num_steps,
+        keras_batch=batch if split else None)))
     callback_list = _callback_list(model, backend, callbacks, verbose, num_steps)
     callback_list.on_predict_begin()
     parts: list[list[np.ndarray]] = []
@@ -435,3 +468,25 @@ def predict(
     backend.leave_last()
     joined = [np.concatenate([p[i] for p in parts]) for i in range(len(leaves))]
     return tf.nest.pack_sequence_as(spec, joined)
+
+
+def _predict_composite(model: keras.Model, backend: Backend, arrays: inputs.Arrays, batch: int, spec: Any,
+                       callbacks: Any, verbose: Any) -> Any:
+    """Ragged or sparse outputs (no fixed-shape row window holds them): Keras' batches in order, each a call of
+    the model on this task (the strategy's variables read as they are), joined as Keras joins them."""
+    num = arrays.num_examples
+    num_steps = -(-num // batch)
+    callback_list = _callback_list(model, backend, callbacks, verbose, num_steps)
+    callback_list.on_predict_begin()
+    parts = []
+    call = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+    for step in range(num_steps):
+        callback_list.on_predict_batch_begin(step)
+        x = inputs.map_present(lambda a: columns.rows_range(a, step * batch, min(num, (step + 1) * batch)), arrays.x)
+        with backend.scope():
+            outputs = tf.nest.map_structure(columns.leaf, call(x))
+        parts.append(tf.nest.flatten(outputs))
+        callback_list.on_predict_batch_end(step, {"outputs": outputs})
+    callback_list.on_predict_end()
+    backend.leave_last()
+    return tf.nest.pack_sequence_as(spec, [columns.concat([p[i] for p in parts]) for i in range(len(parts[0]))])

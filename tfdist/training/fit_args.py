@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import UserError
-from tfdist.training import inputs
+from tfdist.training import columns, inputs
 
 # Keras' words (keras/src/trainers/data_adapters/__init__.py get_data_adapter).
 DATASET_SHUFFLE_WARNING = ("`shuffle=True` was passed, but will be ignored since the data `x` was provided as a "
@@ -63,6 +63,7 @@ class Prepared:
     batch_size: Optional[int]
     kind: str  # "arrays", "dataset", "dataset_fn", "py_dataset" or "generator": what the user passed.
     examples: Optional[int] = None  # A finite PyDataset: the examples of one pass (its last batch may be short).
+    one_pass: bool = False  # A generator read once: one epoch is trained (Keras' 'ran out of data').
 
 
 def is_generator(x: Any) -> bool:
@@ -208,12 +209,11 @@ def _standardize(batch: Any) -> tuple:
 
 
 def _spec(batch: tuple, batch_dim: Optional[int]) -> Any:
-    return tf.nest.map_structure(
-        lambda a: tf.TensorSpec((batch_dim, *a.shape[1:]), tf.as_dtype(a.dtype)), batch)
+    return tf.nest.map_structure(lambda a: columns.spec(a, batch_dim), batch)
 
 
 def _batch_size(batch: tuple) -> int:
-    return int(len(tf.nest.flatten(batch)[0]))
+    return columns.rows(tf.nest.flatten(batch)[0])
 
 
 def _num_batches(data: keras.utils.PyDataset) -> Optional[int]:
@@ -285,11 +285,39 @@ def _refuse_y(what: str, y: Any, sample_weight: Any) -> None:
                             "((x, y) or (x, y, sample_weight)), as in Keras.")
 
 
+def limit_validation(data: Any, steps: Optional[int]) -> Any:
+    """`validation_steps` for a dataset, PyDataset or generator: its first `steps` batches, as Keras evaluates
+    them (an endless one included); a generator without it is read once. Arrays are cut in `fitting`."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
+        raise UserError(f"validation_steps={steps!r} must be a positive number of batches, or None (all of "
+                        "validation_data).")
+    if data is None or steps is None:
+        return generator_pass(data)[0] if is_generator(data) else data
+    if isinstance(data, tf.data.Dataset):
+        return data.take(int(steps))
+    if is_generator(data) or is_py_dataset(data):
+        count = _num_batches(data) if is_py_dataset(data) else None
+        read = (data[i] for i in range(min(int(steps), count) if count is not None else int(steps))) \
+            if is_py_dataset(data) else itertools.islice(data, int(steps))
+        return generator_pass(read)[0]
+    return data
+
+
+def refuse_distributed(x: Any) -> None:
+    """A dataset a strategy already distributed (`strategy.distribute_datasets_from_function`) is refused."""
+    if isinstance(x, tf.distribute.DistributedDataset):
+        raise UserError("x is a tf.distribute DistributedDataset (from strategy.experimental_distribute_dataset or "
+                        "distribute_datasets_from_function); tfdist distributes the input itself, the same way on "
+                        "every backend. Pass the tf.data.Dataset of global batches, or the dataset function "
+                        "(input_context -> per-replica batches) itself.")
+
+
 # The entry point ----------------------------------------------------------------------
 def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_size: Optional[int],
             steps_per_epoch: Optional[int], shuffle: bool, class_weight: Optional[dict], validation_split: float,
             seed: int, epochs: int = 1) -> Prepared:
     """Applies validation_split, class_weight and shuffle and converts PyDatasets and generators (module doc)."""
+    refuse_distributed(x)
     kind = _kind(x)
     if validation_split and validation_data is None and kind != "arrays":
         what = {"dataset": "a tf.data.Dataset", "dataset_fn": "a dataset function", "py_dataset": "a PyDataset",
@@ -344,12 +372,7 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
     if shuffle:
         warnings.warn(GENERATOR_SHUFFLE_WARNING, stacklevel=3)
     if steps_per_epoch is None:
-        if epochs > 1:
-            raise UserError(f"x is a Python generator without steps_per_epoch, so it is read once: Keras' fit trains "
-                            f"one pass and then stops ('ran out of data'), not epochs={epochs}. Pass epochs=1, "
-                            "steps_per_epoch= (with a generator that yields steps_per_epoch x epochs batches, or "
-                            "forever), or a keras.utils.PyDataset, which is read once an epoch.")
         dataset, first_size = generator_pass(x)
-        return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind)
+        return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind, one_pass=True)
     dataset, first_size = generator_to_dataset(x)
     return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind)

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import time
+import warnings
 from typing import Any, Optional, Sequence
 
 import keras
@@ -22,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.training import custom_steps, fit_args, inputs, steps as steps_lib
+from tfdist.training import columns, custom_steps, fit_args, inputs, steps as steps_lib
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
@@ -63,9 +64,9 @@ def arrays_from(model: keras.Model, x: Any, y: Any, sample_weight: Any, what: st
         if value is None:
             continue
         for i, leaf in enumerate(tf.nest.flatten(value)):
-            if leaf.ndim == 0:
+            if columns.ndim(leaf) == 0:
                 raise _fail(f"{what}: {label} holds a scalar; every input needs a leading example dimension.")
-            lengths[f"{label}[{i}]" if len(tf.nest.flatten(value)) > 1 else label] = len(leaf)
+            lengths[f"{label}[{i}]" if len(tf.nest.flatten(value)) > 1 else label] = columns.rows(leaf)
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"{k}: {v}" for k, v in lengths.items())
         raise _fail(f"The inputs of {what} disagree on the number of examples ({shown}); every array needs the "
@@ -100,7 +101,7 @@ class _Source:
 
     def example(self, size: int) -> tuple:
         if self.arrays is not None:
-            return inputs.map_present(lambda a: a[:size], self.arrays.structure)
+            return inputs.map_present(lambda a: columns.head(a, size), self.arrays.structure)
         element = tuple(self.spec) + (None,) * (3 - len(self.spec))
         return inputs.map_present(lambda s: keras.KerasTensor((size, *s.shape[1:]), s.dtype.name), element)
 
@@ -148,8 +149,10 @@ def _element_spec(model: keras.Model, dataset: tf.data.Dataset, what: str) -> tu
     spec = dataset.element_spec
     if custom_steps.overrides(model, "train_step"):  # The user's step takes whatever the dataset yields.
         return spec if isinstance(spec, tuple) else (spec,)
-    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
-        raise _fail(f"{what} must yield (x, y) or (x, y, sample_weight) batches, not {spec}.")
+    if not isinstance(spec, tuple):  # x alone (a model whose loss needs no targets: add_loss, an endpoint).
+        spec = (spec,)
+    if len(spec) not in (1, 2, 3):
+        raise _fail(f"{what} must yield x, (x, y) or (x, y, sample_weight) batches, not {spec}.")
     _check_rank(model, spec[0], what)
     return spec
 
@@ -158,6 +161,27 @@ def _first_batch_size(dataset: tf.data.Dataset) -> int:
     for element in dataset.take(1):
         return int(tf.shape(tf.nest.flatten(element)[0])[0])
     raise _fail("The training dataset is empty.")
+
+
+COUNT_LIMIT_S = 120.0  # How long a pass of a dataset of unknown length may take to count before it is refused.
+
+
+def _count_examples(dataset: tf.data.Dataset) -> int:
+    """The examples of one pass of a dataset of unknown length (filter(), from_generator()), read once; refused
+    if the pass does not end within COUNT_LIMIT_S (it may be infinite)."""
+    logging.info("The training dataset's length is unknown: reading one pass to count its examples (Keras reads it "
+                 "to its end as its first epoch).")
+    started, examples, batches = time.time(), 0, 0
+    for size in dataset.map(lambda *e: columns.batch_rows(tf.nest.flatten(e)[0])):
+        examples, batches = examples + int(size), batches + 1
+        if time.time() - started > COUNT_LIMIT_S:
+            raise _fail(f"The training dataset's length is unknown and one pass did not end within "
+                        f"{COUNT_LIMIT_S:.0f} s ({batches} batches read; it may be infinite: from_generator(), "
+                        "repeat() after filter(), ...); pass steps_per_epoch= (steps in an epoch), or give it its "
+                        "length with dataset.apply(tf.data.experimental.assert_cardinality(batches)).")
+    if batches == 0:
+        raise _fail("The training dataset is empty.")
+    return examples
 
 
 def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
@@ -170,10 +194,8 @@ def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise _fail("The training dataset is infinite (it repeats); pass steps_per_epoch= (steps in an epoch), "
                     "as Keras' fit asks.")
-    if cardinality == tf.data.UNKNOWN_CARDINALITY:  # It may never end (a generator): reading it could hang.
-        raise _fail("The training dataset's length is unknown (it may be infinite: from_generator(), filter(), "
-                    "an infinite PyDataset, ...); pass steps_per_epoch= (steps in an epoch), or give it its length with "
-                    "dataset.apply(tf.data.experimental.assert_cardinality(batches)).")
+    if cardinality == tf.data.UNKNOWN_CARDINALITY:  # As Keras reads it to its end: one pass, counted.
+        return _count_examples(dataset)
     if cardinality == 0:
         raise _fail("The training dataset is empty.")
     if static is not None:
@@ -510,6 +532,8 @@ def fit(
     validation_split: float = 0.0,
     validation_freq: Any = 1,
     initial_epoch: int = 0,
+    validation_steps: Optional[int] = None,
+    validation_batch_size: Optional[int] = None,
     _report: Optional[dict] = None,
 ) -> keras.callbacks.History:
     """Trains `model` (built and compiled under the strategy's scope); returns its History.
@@ -534,11 +558,22 @@ def fit(
         raise _fail(f"checkpoint_every_secs={checkpoint_every_secs} must be 0 (off) or more.")
     fit_args.check_arguments(shuffle=shuffle, class_weight=class_weight, validation_split=validation_split,
                              validation_freq=validation_freq, initial_epoch=initial_epoch)
+    validation_data = fit_args.limit_validation(validation_data, validation_steps)
+    validation_was_dataset = isinstance(validation_data, tf.data.Dataset)  # Cut to validation_steps already.
+    if validation_batch_size is not None and (isinstance(validation_batch_size, bool) or
+                                              not isinstance(validation_batch_size, int) or validation_batch_size < 1):
+        raise _fail(f"validation_batch_size={validation_batch_size!r} must be a positive number of examples.")
     given = fit_args.prepare(x, y, sample_weight, validation_data=validation_data, batch_size=batch_size,
                              steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
                              validation_split=validation_split, seed=seed, epochs=epochs)
     x, y, sample_weight, validation_data, batch_size = (given.x, given.y, given.sample_weight,
                                                         given.validation_data, given.batch_size)
+    if given.one_pass and epochs > initial_epoch + 1:
+        warnings.warn(f"x is a Python generator without steps_per_epoch: its one pass is epoch {initial_epoch + 1}, "
+                      f"and your input ran out of data, so epochs {initial_epoch + 2}-{epochs} are not trained (Keras "
+                      "runs them without data). Pass steps_per_epoch= with a generator that does not end, or a "
+                      "keras.utils.PyDataset (read once an epoch).", stacklevel=3)
+        epochs = initial_epoch + 1
     source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch, examples=given.examples)
     source.shuffle = bool(shuffle)
     fit_args.check_backend(backend, source.kind, source.shuffle)
@@ -547,6 +582,11 @@ def fit(
         raise _fail(f"batch_size={batch_size!r} must be a positive global batch size (examples per optimizer step "
                     "over all replicas).")
     validation = _validation(model, validation_data, source)
+    if validation is not None and validation_steps is not None and not validation_was_dataset:
+        # Keras evaluates the first validation_steps batches of validation_batch_size (or batch_size).
+        validation = inputs.Arrays(*inputs.map_present(
+            lambda a: columns.head(a, int(validation_steps) * (validation_batch_size or int(batch_size))),
+            validation.structure))
     _check_scope(model, backend)
     plan = _plan(backend, num_train=source.num_examples, batch_size=int(batch_size), epochs=epochs,
                  grad_accum_steps=grad_accum_steps,
@@ -617,7 +657,8 @@ def fit(
         result = _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir,
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
                       summary_every_steps, profile_steps, initial_epoch=int(initial_epoch),
-                      validation_freq=validation_freq, checkpoint_every_secs=float(checkpoint_every_secs))
+                      validation_freq=validation_freq, checkpoint_every_secs=float(checkpoint_every_secs),
+                      validation_batch_size=validation_batch_size)
         if rundir is not None and not result.diverged:  # Chief only; staged and renamed into place.
             _export(rundir, model, export, result, manager)
     if _report is not None:
@@ -746,8 +787,12 @@ def callbacks_for_task(callbacks: list, backend: Backend) -> list:
 def _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir, step_counter,
          start_step, callbacks, checkpoint_every_steps, verbose, precision, summary_every_steps,
          profile_steps, initial_epoch: int = 0, validation_freq: Any = 1,
-         checkpoint_every_secs: float = 0.0) -> LoopResult:
+         checkpoint_every_secs: float = 0.0, validation_batch_size: Optional[int] = None) -> LoopResult:
     replicas = backend.num_replicas
+    from tfdist.training import evaluating, loop
+
+    test_hooks = loop.has_batch_hooks(list(callbacks or []), loop.TEST_BATCH_HOOKS) and \
+        (replicas == 1 or evaluating.keras_batch_steps(model, backend, callbacks, loop.TEST_BATCH_HOOKS))
     train_fn = lambda first: iter(backend.distribute_dataset(source.dataset_fn(plan, backend, first)))  # noqa: E731
     eval_fn, eval_steps, eval_examples = None, 0, None
     if validation is not None:
@@ -755,10 +800,15 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         # depend on that partition, so each replica takes whole Keras batches (as tfdist.evaluate does).
         # Built-in metrics do not depend on it: larger batches are faster.
         eval_batch = plan.global_batch if step_functions.custom_test else max(plan.per_replica_batch, 64)
+        eval_batch = validation_batch_size or eval_batch  # Keras' validation batch, whole on each replica.
         eval_steps = inputs.eval_steps(validation.num_examples, eval_batch, replicas)
+        keras_batch = None
+        if test_hooks:  # Keras' validation batches, each split over the replicas: the hooks come per batch.
+            keras_batch = validation_batch_size or plan.global_batch
+            eval_batch, eval_steps = -(-keras_batch // replicas), -(-validation.num_examples // keras_batch)
         eval_dataset = backend.distribute_eval_dataset(inputs.eval_arrays_fn(
             validation, per_replica_batch=eval_batch, steps=eval_steps,
-            static_shapes=backend.device_kind == "tpu"))
+            static_shapes=backend.device_kind == "tpu", keras_batch=keras_batch))
         eval_fn = lambda: iter(eval_dataset)  # noqa: E731
         eval_examples = validation.num_examples
     history = keras.callbacks.History()
@@ -798,6 +848,9 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         initial_epoch=initial_epoch, validation_freq=validation_freq,
     )
     controller.writer = rundir.summary_writer() if rundir is not None else None
+    if test_hooks:
+        controller.test_batch_hooks = resolve_steps_per_execution(None, model, callbacks, backend,
+                                                                  loop.TEST_BATCH_HOOKS)
     result = controller.run(start_step)
     if controller.writer is not None:
         controller.writer.flush()

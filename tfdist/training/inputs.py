@@ -29,6 +29,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfdist.training import columns
+
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
 
@@ -46,7 +48,12 @@ class Arrays:
 
     @property
     def num_examples(self) -> int:
-        return int(len(tf.nest.flatten(self.x)[0]))
+        return columns.rows(tf.nest.flatten(self.x)[0])
+
+    @property
+    def composite(self) -> bool:
+        """Whether a leaf is a SparseTensor or RaggedTensor (gathered per replica, not sliced from one batch)."""
+        return any(columns.is_composite(a) for a in tf.nest.flatten(self.structure) if a is not None)
 
 
 def options() -> tf.data.Options:
@@ -74,7 +81,7 @@ def to_numpy(value: Any) -> Any:
         return np.asarray(value)
     if isinstance(value, (list, tuple)):
         return tuple(to_numpy(v) for v in value)
-    return np.asarray(value)
+    return columns.leaf(value)  # A SparseTensor or RaggedTensor stays one (tfdist.training.columns).
 
 
 def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
@@ -83,11 +90,11 @@ def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
 
 
 def _constants(arrays: Arrays) -> tuple:
-    return map_present(tf.constant, arrays.structure)
+    return map_present(columns.constant, arrays.structure)
 
 
 def _gather(tensors: tuple, indices: tf.Tensor) -> tuple:
-    return map_present(lambda t: tf.gather(t, indices), tensors)
+    return map_present(lambda t: columns.gather(t, indices), tensors)
 
 
 def drop_none(element: tuple) -> tuple:
@@ -156,6 +163,12 @@ def train_arrays_fn(
                 return tf.random.experimental.index_shuffle(
                     padded, seed=tf.stack([tf.constant(seed, tf.int64), epoch]), max_index=num - 1)[:-1]
 
+            if not partial_last and arrays.composite:  # Sparse/ragged rows: gathered replica by replica.
+                def composite_batch(local: tf.Tensor) -> tuple:
+                    offset = start + (first_replica + local) * per_replica_batch
+                    return drop_none(_gather(tensors, order(offset + tf.range(per_replica_batch, dtype=tf.int64))))
+
+                return tf.data.Dataset.range(here).map(composite_batch)
             if not partial_last:
                 offset = start + first_replica * per_replica_batch
                 indices = order(offset + tf.range(here * per_replica_batch, dtype=tf.int64))
@@ -206,16 +219,16 @@ def _padded_weight(weight: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
 
 
 def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static_shapes: bool = False,
-                   even_split: bool = False) -> DatasetFn:
+                   keras_batch: Optional[int] = None) -> DatasetFn:
     """Per-replica eval batches ``(x, y, mask)``, ``(x, y, sample_weight, mask)`` or ``(x, mask)``: every example once.
 
     Replica r of step s takes positions ``(s * R + r) * b ...``. Positions past
     the end are dropped, so the last batches are smaller (some may be empty):
     a masked loss, a mean over each batch's unmasked entries, then sees the
-    batches Keras sees where the short one fits one replica. With `even_split`
-    (a custom ``test_step``, whose trackers average per-replica batch means) a
-    last, short step's n examples are split evenly instead (``n // R`` or one
-    more each). With `static_shapes` (TPUs) the positions past the end are
+    batches Keras sees where the short one fits one replica. With `keras_batch`
+    step s is Keras' batch s instead, its examples split as evenly as can be over
+    the replicas (some may take none): per-batch callback hooks then come once per
+    Keras batch. With `static_shapes` (TPUs) the positions past the end are
     padding instead and `mask` (one value per example, shape ``[b]``) is 0 there. The user's sample weights keep their
     structure and shape (per example ``[b]`` or per timestep ``[b, T]``, one per
     output or one for all), with the padding rows zeroed; without them the
@@ -237,18 +250,15 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
             if static_shapes:
                 indices = tf.minimum(positions, num - 1)
                 mask = tf.cast(positions < num, tf.float32)
-            elif not even_split:
+            elif keras_batch is None:
                 indices = tf.boolean_mask(positions, positions < num)
                 mask = tf.ones(tf.shape(indices), tf.float32)
-            else:
-                # The step's n examples split evenly over the replicas (b each but in a last, short step):
-                # a custom test_step's trackers then see parts of one size wherever n allows.
-                start = step * replicas * per_replica_batch
-                n = tf.clip_by_value(num - start, 0, replicas * per_replica_batch)
-                indices = tf.range(start + replica * n // replicas, start + (replica + 1) * n // replicas)
+            else:  # Keras' batch `step`, split as evenly as can be.
+                start = step * keras_batch
+                indices = split_range(start, tf.clip_by_value(num - start, 0, keras_batch), replicas, replica)
                 mask = tf.ones(tf.shape(indices), tf.float32)
             bx, by = _gather((x, y), indices)
-            weight = map_present(lambda w: _padded_weight(tf.gather(w, indices), mask), sample_weight)
+            weight = map_present(lambda w: _padded_weight(columns.gather(w, indices), mask), sample_weight)
             return drop_none((bx, by, weight)) + (mask,)
 
         ds = tf.data.Dataset.range(steps * here).map(replica_batch)
@@ -283,6 +293,14 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
         global_batch = given or per_replica_batch * replicas
 
         def mine(*element: Any) -> tf.data.Dataset:
+            if any(columns.is_composite(t) for t in tf.nest.flatten(element)):  # Sparse/ragged: by row.
+                def replica_rows(local: tf.Tensor) -> tuple:
+                    start = (first + local) * per_replica_batch
+                    rows = tf.range(start, start + per_replica_batch)
+                    return tuple(map_present(lambda t: columns.gather(t, rows), element))
+
+                return tf.data.Dataset.range(here).map(replica_rows)
+
             def cut(t: tf.Tensor) -> tf.Tensor:
                 part = t[first * per_replica_batch:(first + here) * per_replica_batch]
                 return tf.reshape(part, tf.concat([[here, per_replica_batch], tf.shape(t)[1:]], 0))
@@ -290,11 +308,11 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
             return tf.data.Dataset.from_tensor_slices(tuple(map_present(cut, element)))
 
         def mine_split(*element: Any) -> tf.data.Dataset:
-            n = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+            n = columns.batch_rows(tf.nest.flatten(element)[0])
 
             def replica_batch(local: tf.Tensor) -> tuple:
                 rows = split_range(0, n, replicas, first + local)
-                return tuple(map_present(lambda t: tf.gather(t, rows), element)) + (tf.cast(n, tf.float32),)
+                return tuple(map_present(lambda t: columns.gather(t, rows), element)) + (tf.cast(n, tf.float32),)
 
             return tf.data.Dataset.range(here).map(replica_batch)
 
@@ -324,7 +342,7 @@ def resumed_fn(dataset_fn: DatasetFn, *, start_step: int, sharded: bool = True) 
 
 def to_arrays(dataset: tf.data.Dataset) -> tuple:
     """Reads a finite dataset of batches into one structure of arrays (validation data)."""
-    parts = list(dataset.as_numpy_iterator())
+    parts = [tf.nest.map_structure(columns.leaf, part) for part in dataset]
     if not parts:
         raise ValueError("the dataset is empty")
-    return tf.nest.map_structure(lambda *leaves: np.concatenate(leaves), *parts)
+    return tf.nest.map_structure(lambda *leaves: columns.concat(leaves), *parts)

@@ -233,6 +233,7 @@ class Controller:
         self.initial_epoch = initial_epoch  # fit(initial_epoch=): a BackupAndRestore's restored epoch wins.
         self.validation_freq = validation_freq
         self.writer: Optional[Any] = None  # The run directory's summary writer (set by fitting); None: none.
+        self.test_batch_hooks = 0  # Validation steps per execution where callbacks have per-batch test hooks.
 
     # Agreement ----------------------------------------------------------------
     def check_agreement(self, step: int, precision: str) -> None:
@@ -279,8 +280,17 @@ class Controller:
         if self.eval_iterator_fn is None:
             return {}
         self.callbacks.on_test_begin()
-        totals = self.backend.execute(self.steps.eval_chunk, self.eval_iterator_fn(),
-                                      tf.constant(self.eval_steps, tf.int64))
+        iterator = self.eval_iterator_fn()
+        if not self.test_batch_hooks:
+            totals = self.backend.execute(self.steps.eval_chunk, iterator, tf.constant(self.eval_steps, tf.int64))
+        else:  # As Keras' evaluate: the hooks every steps_per_execution batches, with the running logs.
+            totals, per = np.zeros(self.steps.eval_layout.size), self.test_batch_hooks
+            for first in range(0, self.eval_steps, per):
+                self.callbacks.on_test_batch_begin(first)
+                count = tf.constant(min(per, self.eval_steps - first), tf.int64)
+                totals = self.steps.eval_layout.combine(totals, self.backend.execute(self.steps.eval_chunk,
+                                                                                     iterator, count))
+                self.callbacks.on_test_batch_end(first + per - 1, self.steps.eval_layout.results(totals))
         count = int(round(float(totals[0])))
         if self.eval_examples is not None and count != self.eval_examples:
             raise RuntimeError(f"Evaluation counted {count} examples, expected {self.eval_examples}.")

@@ -202,7 +202,16 @@ def _where_present(empty: tf.Tensor, grad: Any) -> Any:
     return tf.where(empty, tf.zeros_like(grad), grad)
 
 
-def _write_state(scope: _RecordingScope, before: dict, atomic: bool, keep: Optional[tf.Tensor] = None) -> None:
+def _global_statistics(model: keras.Model) -> set:
+    """Ids of the moving statistics of `BatchNormalization(synchronized=True)` layers: an empty part computes
+    them from the global batch too, so it writes them like every other part."""
+    return {id(tf_variable(v)) for layer in model._flatten_layers()
+            if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "synchronized", False)
+            for v in (layer.moving_mean, layer.moving_variance)}
+
+
+def _write_state(scope: _RecordingScope, before: dict, atomic: bool, keep: Optional[tf.Tensor] = None,
+                 global_state: frozenset = frozenset()) -> None:
     """Writes the forward pass's non-trainable state updates back to the variables.
 
     Synchronous replicas assign them, as Keras' own step would. Under asynchronous
@@ -218,7 +227,8 @@ def _write_state(scope: _RecordingScope, before: dict, atomic: bool, keep: Optio
         target = tf_variable(variable)
         new = tf.cast(scope.get_current_value(variable), target.dtype)
         old = before.get(key)
-        if keep is not None and old is not None:  # An empty part: its statistics are 0/0, keep the state.
+        if keep is not None and old is not None and id(target) not in global_state:  # An empty part: its
+            # own statistics are 0/0, keep the state (a synchronized layer's are the global batch's).
             new = tf.where(keep, tf.cast(old, target.dtype), new)
         if atomic and old is not None and (target.dtype.is_floating or target.dtype in (tf.int32, tf.int64)):
             target.assign_add(new - old)
@@ -448,7 +458,8 @@ class StepFunctions:
         if total is not None:  # A part of a short last batch may hold no example: it adds nothing.
             empty = tf.equal(size, 0)
             grads = [_where_present(empty, g) for g in grads]
-        _write_state(forward, before, atomic=self.backend.asynchronous, keep=empty)
+        _write_state(forward, before, atomic=self.backend.asynchronous, keep=empty,
+                     global_state=_global_statistics(model))
         self._updated.update(forward.updated)
         finite = tf.math.is_finite(unscaled)
         deltas = [tf.where(finite, d, tf.zeros_like(d)) for d in deltas]
@@ -540,6 +551,11 @@ class StepFunctions:
             deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
             examples += b
         variables = self.model.trainable_variables
+        if any(isinstance(t, tf.SparseTensor) for t in tf.nest.flatten(data)):
+            # A sparse input's kernel gradient (Keras' embedding_lookup_sparse) holds each replica's own
+            # unique rows: their counts differ across replicas, which the collective all-gather cannot match.
+            # Summed dense it is one device's gradient, its rows merged as one device merges them.
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         grads = self.backend.finish_gradients(grads)
         # Whether this step's all-reduced gradients are non-finite: the same on every replica, so
         # 1/replicas from each sums to one count per step (the loop's divergence guard counts steps).
