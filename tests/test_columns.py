@@ -75,22 +75,39 @@ class RaggedSum(keras.layers.Layer):
         return tf.reduce_sum(embedded, axis=1)
 
 
+def ragged_model():
+    inputs = keras.Input((None,), dtype="int64", ragged=True)
+    model = keras.Model(inputs, RaggedSum()(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
 def test_ragged_inputs_train_and_predict_as_keras_on_two_replicas():
     tokens = tf.ragged.constant([[1, 2], [3], [4, 5, 6], [7], [8, 9], [1, 1, 1], [2]], dtype=tf.int64)
     y = np.arange(14, dtype=np.float32).reshape(7, 2) / 10
 
-    def make():
-        inputs = keras.Input((None,), dtype="int64", ragged=True)
-        model = keras.Model(inputs, RaggedSum()(inputs))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        return model
-
-    reference = make()
+    reference = ragged_model()
     reference.fit(tokens, y, batch_size=3, epochs=2, verbose=0, shuffle=False)
     strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
     with strategy.scope():
-        model = make()
+        model = ragged_model()
     tfdist.fit(model, tokens, y, batch_size=3, epochs=2, verbose=0, shuffle=False)
     assert_same(model, reference)
     np.testing.assert_allclose(tfdist.predict(model, tokens, verbose=0), reference.predict(tokens, verbose=0),
                                atol=1e-5)
+
+
+def test_a_ragged_dataset_evaluates_as_keras_and_sparse_inputs_refuse_micro_batches():
+    tokens = tf.ragged.constant([[1, 2], [3], [4, 5, 6], [7], [8, 9]], dtype=tf.int64)
+    y = np.arange(10, dtype=np.float32).reshape(5, 2) / 10
+    dataset = tf.data.Dataset.from_tensor_slices((tokens, y)).batch(2)
+
+    reference = ragged_model()
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = ragged_model()
+    np.testing.assert_allclose(tfdist.evaluate(model, dataset, verbose=0), reference.evaluate(dataset, verbose=0),
+                               atol=1e-6)
+    with pytest.raises(tfdist.UserError, match=r"The inputs hold a SparseTensor or RaggedTensor, which tfdist does "
+                                               r"not cut into grad_accum_steps=2 micro-batches"):
+        tfdist.fit(model, tokens, y, batch_size=4, grad_accum_steps=2, verbose=0)

@@ -446,3 +446,38 @@ def test_validation_steps_and_batch_size_validate_what_keras_validates():
         assert_same_history(history, expected)
     with pytest.raises(tfdist.UserError, match="validation_steps=0 must be a positive number of batches"):
         tfdist.fit(model, x, y, validation_data=(xv, yv), validation_steps=0, verbose=0, strategy=strategy)
+
+
+def test_validation_steps_without_batch_size_and_steps_per_epoch_of_every_batch_as_keras():
+    """No batch_size: Keras validates ceil(n / validation_steps) per batch, so every example; steps_per_epoch
+    equal to the batch count (the last one short) trains each batch, as Keras does."""
+    x, y = RNG.normal(size=(10, 8)).astype("float32"), RNG.integers(0, 3, size=10)
+    xv, yv = RNG.normal(size=(45, 8)).astype("float32"), RNG.integers(0, 3, size=45)
+    reference = model_fn()
+    expected = reference.fit(x, y, epochs=2, steps_per_epoch=1, validation_data=(xv, yv), validation_steps=2,
+                             shuffle=False, verbose=0).history
+    model, strategy = tfdist_model("mirrored", MIRRORED)
+    history = tfdist.fit(model, x, y, epochs=2, steps_per_epoch=1, validation_data=(xv, yv), validation_steps=2,
+                         shuffle=False, verbose=0, strategy=strategy).history
+    assert_same_history(history, expected)
+    reference = model_fn()
+    reference.fit(x, y, batch_size=4, steps_per_epoch=3, epochs=2, shuffle=False, verbose=0)
+    model, strategy = tfdist_model("mirrored", MIRRORED)
+    tfdist.fit(model, x, y, batch_size=4, steps_per_epoch=3, epochs=2, shuffle=False, verbose=0, strategy=strategy)
+    assert_same_weights(model, reference)
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 6
+
+
+def test_epoch_saving_keras_callbacks_keep_tfdists_steps_per_execution():
+    """ModelCheckpoint/BackupAndRestore saving per epoch and an epoch-writing TensorBoard do nothing in their
+    batch hooks: they do not force one step an execution (Keras' default with batch hooks); per-batch ones do."""
+    from tfdist.distribute import strategies as strategies_lib
+    from tfdist.training import fitting, loop
+
+    model, strategy = tfdist_model("mirrored", MIRRORED)
+    backend = strategies_lib.backend_of(strategy)
+    inert = [keras.callbacks.ModelCheckpoint("/tmp/unused.keras"), keras.callbacks.BackupAndRestore("/tmp/unused"),
+             keras.callbacks.TensorBoard("/tmp/unused")]
+    assert fitting.resolve_steps_per_execution(None, model, inert, backend, loop.BATCH_HOOKS) == 10
+    acting = [keras.callbacks.ModelCheckpoint("/tmp/unused.keras", save_freq=5)]
+    assert fitting.resolve_steps_per_execution(None, model, acting, backend, loop.BATCH_HOOKS) == 1

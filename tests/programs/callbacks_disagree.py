@@ -21,7 +21,7 @@ def main() -> None:
     if mode == "nan":
         y[:] = float("nan")  # Every step's loss is NaN: the first execution fails on both workers.
         tfdist.fit(model, x, y, batch_size=32, epochs=2, verbose=0, steps_per_execution=2,
-                   callbacks=[keras.callbacks.TensorBoard(f"{out}/tb")])
+                   callbacks=[keras.callbacks.TensorBoard(f"{out}/tb", update_freq="batch")])
         return
     backup = keras.callbacks.BackupAndRestore(f"{out}/backup{index}")
     try:

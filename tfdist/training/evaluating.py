@@ -85,7 +85,7 @@ def _read_dataset(data: Any, steps: Optional[int], batch_size: Optional[int], wh
     elif int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise _fail(f"{what} is an infinite dataset (.repeat()?); pass steps= (the number of batches to use) or "
                     "a finite dataset.")
-    return _joined(list(data.as_numpy_iterator()), what)
+    return _joined([tf.nest.map_structure(columns.leaf, element) for element in data], what)
 
 
 def _python_batches(data: Any, steps: Optional[int], batch_size: Optional[int], what: str) -> tuple:

@@ -354,6 +354,9 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
     if kind == "py_dataset":
         _refuse_y("PyDataset", y, sample_weight)
         finite = _num_batches(x) is not None
+        if not finite and steps_per_epoch is None:
+            raise UserError("x is an infinite PyDataset (its num_batches is None): pass steps_per_epoch= (steps in "
+                            "an epoch), as Keras' fit needs to end an epoch, or give it a length.")
         if shuffle and not finite:
             warnings.warn(INFINITE_PY_DATASET_SHUFFLE_WARNING, stacklevel=3)
         dataset = py_dataset_to_dataset(x, shuffle=bool(shuffle), seed=seed)

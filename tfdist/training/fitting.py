@@ -163,22 +163,27 @@ def _first_batch_size(dataset: tf.data.Dataset) -> int:
     raise _fail("The training dataset is empty.")
 
 
-COUNT_LIMIT_S = 120.0  # How long a pass of a dataset of unknown length may take to count before it is refused.
+COUNT_LIMIT = 1_000_000  # Batches of a dataset of unknown length counted before it is refused (maybe endless).
 
 
 def _count_examples(dataset: tf.data.Dataset) -> int:
     """The examples of one pass of a dataset of unknown length (filter(), from_generator()), read once; refused
-    if the pass does not end within COUNT_LIMIT_S (it may be infinite)."""
+    past COUNT_LIMIT batches (it may be endless). A count, not a time: every worker decides alike."""
     logging.info("The training dataset's length is unknown: reading one pass to count its examples (Keras reads it "
                  "to its end as its first epoch).")
-    started, examples, batches = time.time(), 0, 0
-    for size in dataset.map(lambda *e: columns.batch_rows(tf.nest.flatten(e)[0])):
+    sizes = dataset.take(COUNT_LIMIT + 1).map(lambda *e: columns.batch_rows(tf.nest.flatten(e)[0]))
+    examples, batches, shown = 0, 0, time.time()
+    for size in sizes:
         examples, batches = examples + int(size), batches + 1
-        if time.time() - started > COUNT_LIMIT_S:
-            raise _fail(f"The training dataset's length is unknown and one pass did not end within "
-                        f"{COUNT_LIMIT_S:.0f} s ({batches} batches read; it may be infinite: from_generator(), "
-                        "repeat() after filter(), ...); pass steps_per_epoch= (steps in an epoch), or give it its "
-                        "length with dataset.apply(tf.data.experimental.assert_cardinality(batches)).")
+        if time.time() - shown > 30:
+            logging.info("Counting the training dataset: %d batches so far (pass steps_per_epoch= to skip this).",
+                         batches)
+            shown = time.time()
+    if batches > COUNT_LIMIT:
+        raise _fail(f"The training dataset's length is unknown and one pass holds more than {COUNT_LIMIT} batches "
+                    "(it may be endless: from_generator(), repeat() after filter(), ...); pass steps_per_epoch= "
+                    "(steps in an epoch), or give it its length with "
+                    "dataset.apply(tf.data.experimental.assert_cardinality(batches)).")
     if batches == 0:
         raise _fail("The training dataset is empty.")
     return examples
@@ -247,6 +252,21 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
     arrays = arrays_from(model, x, y, sample_weight, "x/y")
     return _Source("arrays", batch_size=batch_size, num_examples=arrays.num_examples,
                    steps_per_epoch=steps_per_epoch, arrays=arrays)
+
+
+def _check_composite(source: _Source, backend: Backend, grad_accum_steps: int) -> None:
+    """Sparse and ragged inputs: not on a TPU (one static shape) nor cut into micro-batches."""
+    leaves = tf.nest.flatten(source.arrays.structure) if source.arrays is not None else \
+        tf.nest.flatten(source.spec) if source.spec is not None else []
+    if not any(isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor, tf.SparseTensorSpec, tf.RaggedTensorSpec))
+               for leaf in leaves):
+        return
+    if backend.device_kind == "tpu":
+        raise _fail("The inputs hold a SparseTensor or RaggedTensor, and a TPU compiles one static shape for every "
+                    "batch; pad them to dense arrays (tf.sparse.to_dense, RaggedTensor.to_tensor) for a TPU.")
+    if grad_accum_steps > 1:
+        raise _fail(f"The inputs hold a SparseTensor or RaggedTensor, which tfdist does not cut into "
+                    f"grad_accum_steps={grad_accum_steps} micro-batches; use grad_accum_steps=1 (or dense inputs).")
 
 
 def _validation(model: keras.Model, validation_data: Any, source: _Source) -> Optional[inputs.Arrays]:
@@ -367,6 +387,8 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                     + (f"{lower} or {upper}." if lower else f"{upper}."))
     whole = num_train // batch_size
     partial_last = partial_dataset
+    if array_input and steps_per_epoch is not None and steps_per_epoch == -(-num_train // batch_size):
+        steps_per_epoch = None  # Every batch, the last one short if it is: as Keras trains it.
     if array_input and steps_per_epoch is not None and steps_per_epoch > -(-num_train // batch_size):
         # As Keras: the arrays' batches are trained, and it warns that the input ran out of data.
         logging.warning("steps_per_epoch=%d is more than the %d batches the arrays hold: your input ran out of data, "
@@ -558,8 +580,11 @@ def fit(
         raise _fail(f"checkpoint_every_secs={checkpoint_every_secs} must be 0 (off) or more.")
     fit_args.check_arguments(shuffle=shuffle, class_weight=class_weight, validation_split=validation_split,
                              validation_freq=validation_freq, initial_epoch=initial_epoch)
+    keras_validation_batch = validation_batch_size or batch_size  # What Keras' validation batches (or None).
     validation_data = fit_args.limit_validation(validation_data, validation_steps)
     validation_was_dataset = isinstance(validation_data, tf.data.Dataset)  # Cut to validation_steps already.
+    if validation_was_dataset and validation_batch_size is None:
+        keras_validation_batch = _first_batch_size(validation_data)  # Keras validates the dataset's own batches.
     if validation_batch_size is not None and (isinstance(validation_batch_size, bool) or
                                               not isinstance(validation_batch_size, int) or validation_batch_size < 1):
         raise _fail(f"validation_batch_size={validation_batch_size!r} must be a positive number of examples.")
@@ -576,6 +601,7 @@ def fit(
         epochs = initial_epoch + 1
     source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch, examples=given.examples)
     source.shuffle = bool(shuffle)
+    _check_composite(source, backend, grad_accum_steps)
     fit_args.check_backend(backend, source.kind, source.shuffle)
     batch_size = source.batch_size
     if batch_size is None or int(batch_size) < 1:
@@ -584,9 +610,9 @@ def fit(
     validation = _validation(model, validation_data, source)
     if validation is not None and validation_steps is not None and not validation_was_dataset:
         # Keras evaluates the first validation_steps batches of validation_batch_size (or batch_size).
+        per_step = keras_validation_batch or -(-validation.num_examples // int(validation_steps))  # Keras' rule.
         validation = inputs.Arrays(*inputs.map_present(
-            lambda a: columns.head(a, int(validation_steps) * (validation_batch_size or int(batch_size))),
-            validation.structure))
+            lambda a: columns.head(a, int(validation_steps) * per_step), validation.structure))
     _check_scope(model, backend)
     plan = _plan(backend, num_train=source.num_examples, batch_size=int(batch_size), epochs=epochs,
                  grad_accum_steps=grad_accum_steps,
@@ -658,7 +684,8 @@ def fit(
                       step_counter, start_step, callbacks, checkpoint_every_steps, verbose, precision,
                       summary_every_steps, profile_steps, initial_epoch=int(initial_epoch),
                       validation_freq=validation_freq, checkpoint_every_secs=float(checkpoint_every_secs),
-                      validation_batch_size=validation_batch_size)
+                      validation_batch_size=validation_batch_size,
+                      hook_batch=keras_validation_batch or 32)  # Keras' default batch.
         if rundir is not None and not result.diverged:  # Chief only; staged and renamed into place.
             _export(rundir, model, export, result, manager)
     if _report is not None:
@@ -787,7 +814,8 @@ def callbacks_for_task(callbacks: list, backend: Backend) -> list:
 def _run(model, backend, plan, source, validation, step_functions, checkpoint, manager, rundir, step_counter,
          start_step, callbacks, checkpoint_every_steps, verbose, precision, summary_every_steps,
          profile_steps, initial_epoch: int = 0, validation_freq: Any = 1,
-         checkpoint_every_secs: float = 0.0, validation_batch_size: Optional[int] = None) -> LoopResult:
+         checkpoint_every_secs: float = 0.0, validation_batch_size: Optional[int] = None,
+         hook_batch: int = 32) -> LoopResult:
     replicas = backend.num_replicas
     from tfdist.training import evaluating, loop
 
@@ -804,7 +832,7 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
         eval_steps = inputs.eval_steps(validation.num_examples, eval_batch, replicas)
         keras_batch = None
         if test_hooks:  # Keras' validation batches, each split over the replicas: the hooks come per batch.
-            keras_batch = validation_batch_size or plan.global_batch
+            keras_batch = hook_batch
             eval_batch, eval_steps = -(-keras_batch // replicas), -(-validation.num_examples // keras_batch)
         eval_dataset = backend.distribute_eval_dataset(inputs.eval_arrays_fn(
             validation, per_replica_batch=eval_batch, steps=eval_steps,

@@ -569,10 +569,22 @@ PREDICT_BATCH_HOOKS = ("on_predict_batch_begin", "on_predict_batch_end")
 
 
 def has_batch_hooks(callbacks: Any, hooks: Sequence[str] = BATCH_HOOKS) -> bool:
-    """Whether any of `callbacks` overrides one of the per-batch `hooks` (Keras marks the base ones as defaults)."""
+    """Whether any of `callbacks` overrides one of the per-batch `hooks` (Keras marks the base ones as defaults)
+    to some effect: Keras' ModelCheckpoint and BackupAndRestore saving per epoch, and a TensorBoard writing per
+    epoch without profiling, do nothing in them (their hooks are still called, once per execution)."""
     from keras.src.utils.python_utils import is_default
 
-    return any(not is_default(getattr(cb, name)) for cb in callbacks for name in hooks)
+    return any(not is_default(getattr(cb, name)) for cb in callbacks if not _inert_batch_hooks(cb)
+               for name in hooks)
+
+
+def _inert_batch_hooks(callback: Any) -> bool:
+    if isinstance(callback, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)):
+        return type(callback) in (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore) and \
+            getattr(callback, "save_freq", None) == "epoch"
+    if type(callback) is keras.callbacks.TensorBoard:
+        return callback.update_freq == "epoch" and not getattr(callback, "_stop_batch", 0)
+    return False
 
 
 def finalize_optimizer(model: keras.Model, backend: Backend) -> None:

@@ -551,10 +551,11 @@ class StepFunctions:
             deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
             examples += b
         variables = self.model.trainable_variables
-        if any(isinstance(t, tf.SparseTensor) for t in tf.nest.flatten(data)):
+        if any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) for t in tf.nest.flatten(data)):
             # A sparse input's kernel gradient (Keras' embedding_lookup_sparse) holds each replica's own
-            # unique rows: their counts differ across replicas, which the collective all-gather cannot match.
-            # Summed dense it is one device's gradient, its rows merged as one device merges them.
+            # unique rows (a ragged input's gathers, its own count of rows): their counts differ across
+            # replicas, which the collective all-gather cannot match. Summed dense it is one device's gradient,
+            # a sparse input's rows merged as one device merges them.
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         grads = self.backend.finish_gradients(grads)
         # Whether this step's all-reduced gradients are non-finite: the same on every replica, so
