@@ -27,7 +27,8 @@ from tfdist.training import columns, custom_steps, fit_args, inputs, steps as st
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training.loop import BATCH_HOOKS, Controller, LoopPlan, LoopResult, Preempted, has_batch_hooks
+from tfdist.training.loop import (BATCH_HOOKS, TEST_BATCH_HOOKS, Controller, LoopPlan, LoopResult, Preempted,
+                                  has_batch_hooks)
 
 PLAN_FILE = "plan.json"
 
@@ -387,13 +388,13 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                     + (f"{lower} or {upper}." if lower else f"{upper}."))
     whole = num_train // batch_size
     partial_last = partial_dataset
-    if array_input and steps_per_epoch is not None and steps_per_epoch == -(-num_train // batch_size):
-        steps_per_epoch = None  # Every batch, the last one short if it is: as Keras trains it.
-    if array_input and steps_per_epoch is not None and steps_per_epoch > -(-num_train // batch_size):
-        # As Keras: the arrays' batches are trained, and it warns that the input ran out of data.
-        logging.warning("steps_per_epoch=%d is more than the %d batches the arrays hold: your input ran out of data, "
-                        "so each epoch trains those %d batches (as Keras does).", steps_per_epoch,
-                        -(-num_train // batch_size), -(-num_train // batch_size))
+    batches = -(-num_train // batch_size)
+    if array_input and steps_per_epoch is not None and steps_per_epoch >= batches:
+        # As Keras: every batch, the last one short if it is; past them it warns the input ran out of data.
+        if steps_per_epoch > batches:
+            logging.warning("steps_per_epoch=%d is more than the %d batches the arrays hold: your input ran out of "
+                            "data, so each epoch trains those %d batches (as Keras does).", steps_per_epoch,
+                            batches, batches)
         steps_per_epoch = None
     if steps_per_epoch is None:
         # As Keras: every example once an epoch, the last batch holding what is left. Parameter-server
@@ -583,7 +584,8 @@ def fit(
     keras_validation_batch = validation_batch_size or batch_size  # What Keras' validation batches (or None).
     validation_data = fit_args.limit_validation(validation_data, validation_steps)
     validation_was_dataset = isinstance(validation_data, tf.data.Dataset)  # Cut to validation_steps already.
-    if validation_was_dataset and validation_batch_size is None:
+    if validation_was_dataset and validation_batch_size is None and \
+            has_batch_hooks(list(callbacks or []), TEST_BATCH_HOOKS):  # Read only where per-batch hooks need it.
         keras_validation_batch = _first_batch_size(validation_data)  # Keras validates the dataset's own batches.
     if validation_batch_size is not None and (isinstance(validation_batch_size, bool) or
                                               not isinstance(validation_batch_size, int) or validation_batch_size < 1):
