@@ -293,3 +293,46 @@ def test_horovod_ranks_scale_losses_as_one_device(tmp_path):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for case in ("compute_loss_mean", "sum_accumulated"):
             assert report[case]["max_diff"] < 1e-5 and report[case]["moved"] > 1e-2, (rank, case, report)
+
+
+class KeptMeanSquaredError(keras.metrics.MeanSquaredError):
+    """A metric whose reset_state keeps its state (Keras' trainer_test.py has one): epochs add up."""
+
+    def reset_state(self):
+        pass
+
+
+def test_metric_states_open_and_close_each_epoch_and_evaluation_as_keras():
+    """Keras' reset_metrics at each epoch and evaluation: a metric's own reset_state decides where it starts
+    (one that keeps its state goes on adding, across fit's validation too), and after fit and evaluate the
+    metrics hold what Keras' would; 2 replicas against Keras' own fit on one device."""
+    rng = np.random.default_rng(7)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 1)).astype("float32")
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                      metrics=[KeptMeanSquaredError(name="kept"), "mae"])
+        return model
+
+    def state(model):
+        return [np.asarray(v) for m in model.metrics for v in m.variables]
+
+    reference = build()
+    expected = reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                             validation_data=(x[:8], y[:8])).history
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = build()
+    history = tfdist.fit(model, x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                         validation_data=(x[:8], y[:8])).history
+    assert sorted(history) == sorted(expected)
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5, err_msg=key)
+    assert abs(expected["kept"][2] - expected["loss"][2]) > 1e-3  # The kept state really spans the epochs.
+    for a, b in zip(state(model), state(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    np.testing.assert_allclose(tfdist.evaluate(model, x, y, batch_size=8, verbose=0),
+                               reference.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)
+    for a, b in zip(state(model), state(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-5)

@@ -9,7 +9,8 @@
   predictions = tfdist.predict(model, x_test)
 
 Public names: `make_strategy`, `fit`, `evaluate` and `predict` (Keras' `Model.evaluate` and
-`Model.predict` under the same strategy and input handling), `is_chief` and `task_path` (a script's
+`Model.predict` under the same strategy and input handling), `test_on_batch` and `predict_on_batch`
+(theirs of one batch), `is_chief` and `task_path` (a script's
 own files on a multi-worker job), `UserError` (what bad input raises; a
 `ValueError`), `Preempted` (raised after SIGTERM saved a checkpoint). Layers: `tfdist.layers`
 (`ShardedEmbedding`: an embedding table in row shards over parameter servers).
@@ -23,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.2.0"
-__all__ = ["make_strategy", "fit", "evaluate", "predict", "is_chief", "task_path", "UserError", "Preempted"]
+__all__ = ["make_strategy", "fit", "evaluate", "predict", "test_on_batch", "predict_on_batch", "is_chief", "task_path",
+           "UserError", "Preempted"]
 
 from tfdist.errors import UserError  # noqa: E402  (no TensorFlow import)
 
@@ -37,7 +39,7 @@ def __getattr__(name: str) -> Any:
         from tfdist.training.fitting import fit
 
         return fit
-    if name in ("evaluate", "predict"):
+    if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
         from tfdist.training import evaluating
 
         return getattr(evaluating, name)

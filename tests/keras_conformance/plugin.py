@@ -5,21 +5,22 @@
       $(python -m tests.keras_conformance.plugin files)
 
 Modes (--keras-conformance):
-  baseline  plain Keras, no strategy; only counts the calls of fit/evaluate/predict each test makes.
+  baseline  plain Keras, no strategy; only counts the calls of those methods (ROUTED) each test makes.
   tfdist    two logical CPU devices are configured before TensorFlow initialises, a 2-replica MirroredStrategy
             is made with `tfdist.make_strategy("mirrored", num_cpu_replicas=2)`, and Keras' TensorFlow trainer's
-            `fit`, `evaluate` and `predict` (the methods every Keras model, and Keras' test models built on the
-            bare trainer class, inherit) call `tfdist.fit`, `tfdist.evaluate` and `tfdist.predict` with the same
-            arguments and return what they return. Every test runs inside the strategy's scope. Keras'
+            `fit`, `evaluate`, `predict`, `test_on_batch` and `predict_on_batch` (the methods every Keras model,
+            and Keras' test models built on the bare trainer class, inherit) call tfdist's functions of those names
+            with the same arguments and return what they return. Every test runs inside the strategy's scope. Keras'
             `TestCase.setUp` (and any test) calls `keras.backend.clear_session()`, whose
             `tf.compat.v1.reset_default_graph()` drops TensorFlow's strategy stack with the graph: the plugin wraps
             that function so that the scope is left before the reset and entered again after it.
 
 The results file (JSON) holds, per test id (`keras/src/...py::Class::test`), the outcome, the calls the test
-made (`keras`: Keras' own fit/evaluate/predict, top-level only; `routed`: calls handed to tfdist; `unrouted`:
-`train_on_batch`/`test_on_batch`/`predict_on_batch`, which stay Keras'), and for a failure the exception and the
-innermost tfdist frame of its traceback. `python -m tests.keras_conformance.plugin draft BASELINE TFDIST` prints
-the lines of a known-failures list for the tests that pass in baseline but not through tfdist.
+made (`keras`: Keras' own fit/evaluate/predict/test_on_batch/predict_on_batch, top-level only; `routed`: calls
+handed to tfdist's functions of those names; `unrouted`: `train_on_batch`, which stays Keras'), and for a failure
+the exception and the innermost tfdist frame of its traceback.
+`python -m tests.keras_conformance.plugin draft BASELINE TFDIST` prints the lines of a known-failures list for
+the tests that pass in baseline but not through tfdist.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ import pytest
 
 MODES = ("baseline", "tfdist")
 NUM_REPLICAS = 2
-ROUTED = ("fit", "evaluate", "predict")
-UNROUTED = ("train_on_batch", "test_on_batch", "predict_on_batch")
+ROUTED = ("fit", "evaluate", "predict", "test_on_batch", "predict_on_batch")
+UNROUTED = ("train_on_batch",)
 
 # The Keras test files the run uses, relative to the installed keras package's directory: those whose tests call
 # fit, evaluate or predict (the trainer, and the callbacks fit drives), plus tf_dataset_adapter_test.py (its one

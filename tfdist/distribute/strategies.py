@@ -18,7 +18,7 @@ from typing import Any, Callable
 import tensorflow as tf
 from absl import logging
 
-from tfdist.distribute import cluster as cluster_lib
+from tfdist.distribute import cluster as cluster_lib, variable_reads
 from tfdist.distribute.backend import Backend
 from tfdist.distribute.options import StrategyOptions
 from tfdist.errors import UserError
@@ -373,6 +373,7 @@ def make_strategy(name: str = "auto", **options: object) -> object:
                         f"{', '.join(STRATEGY_OPTIONS)}.")
     config = StrategyOptions(strategy=name, **options)  # type: ignore[arg-type]
     config.validate()
+    variable_reads.install()  # int()/float() of a distributed variable, as of a plain one.
     backend = build_backend(config)
     if backend.serve():
         backend.shutdown()

@@ -304,7 +304,7 @@ def evaluate(
     iterator = iter(dataset)
     callback_list = _callback_list(model, backend, callbacks, verbose, num_steps)
     callback_list.on_test_begin()
-    totals = np.zeros(layout.size)
+    totals = functions.reset_metrics(layout)  # Keras' evaluate begins with reset_metrics.
     logs: dict = {}
     for first, count in _executions(num_steps, per_execution):
         callback_list.on_test_batch_begin(first)
@@ -316,6 +316,7 @@ def evaluate(
     counted = int(round(float(totals[0])))
     if counted != arrays.num_examples:
         raise RuntimeError(f"Evaluation counted {counted} examples, expected {arrays.num_examples}.")
+    functions.store_metrics(totals, layout)
     callback_list.on_test_end(logs)
     backend.leave_last()  # As after fit: the coordination-service leader exits after the other tasks.
     if return_dict:
@@ -490,3 +491,23 @@ def _predict_composite(model: keras.Model, backend: Backend, arrays: inputs.Arra
     callback_list.on_predict_end()
     backend.leave_last()
     return tf.nest.pack_sequence_as(spec, [columns.concat([p[i] for p in parts]) for i in range(len(parts[0]))])
+
+
+def _rows(x: Any) -> int:
+    leaves = tf.nest.flatten(x)
+    if not leaves or getattr(leaves[0], "shape", None) is None or not len(leaves[0].shape):
+        raise _fail("x must be a batch: an array (or a structure of arrays) whose first dimension is its examples.")
+    return int(leaves[0].shape[0])
+
+
+def test_on_batch(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = None, *,
+                  return_dict: bool = False, strategy: Any = None) -> Union[float, list, dict]:
+    """Keras' `Model.test_on_batch`: `evaluate` of the one batch `x` (its metrics reset first, as Keras')."""
+    return evaluate(model, x, y, sample_weight=sample_weight, batch_size=_rows(x), verbose=0,
+                    return_dict=return_dict, strategy=strategy)
+
+
+def predict_on_batch(model: keras.Model, x: Any, *, strategy: Any = None) -> Any:
+    """Keras' `Model.predict_on_batch`: the predictions of the one batch `x`, a row per example (Keras' own,
+    under a strategy, returns every replica's rows)."""
+    return predict(model, x, batch_size=_rows(x), verbose=0, strategy=strategy)

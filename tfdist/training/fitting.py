@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.training import columns, custom_steps, fit_args, inputs, steps as steps_lib
+from tfdist.training import columns, custom_steps, epochs as epochs_lib, fit_args, inputs, steps as steps_lib
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
@@ -99,6 +99,13 @@ class _Source:
         self.steps_per_epoch, self.arrays, self.dataset, self.function = steps_per_epoch, arrays, dataset, function
         self.spec, self.model = spec, model
         self.shuffle = True  # Arrays: a seeded permutation each epoch (False: input order; fit_args).
+        self.finite = kind == "dataset" and steps_per_epoch is None  # A dataset read a pass at a time.
+
+    def pass_batches(self) -> Optional[int]:
+        """Batches of one pass over the data where it is finite and its length known, else None."""
+        if self.kind == "arrays" or (self.kind == "dataset" and self.finite):
+            return -(-self.num_examples // int(self.batch_size))
+        return None
 
     def example(self, size: int) -> tuple:
         if self.arrays is not None:
@@ -123,7 +130,7 @@ class _Source:
                 return inputs.random_order_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch)
             return inputs.train_arrays_fn(self.arrays, per_replica_batch=plan.per_replica_batch,
                                           global_batch=plan.global_batch,
-                                          steps_per_epoch=plan.steps_per_epoch, seed=plan.seed, start_step=first,
+                                          steps_per_epoch=plan.steps_per_pass(), seed=plan.seed, start_step=first,
                                           total_steps=plan.total_steps, partial_last=plan.partial_last,
                                           shuffle=self.shuffle)
         if self.kind == "dataset":
@@ -223,13 +230,18 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
         static = tf.nest.flatten(spec[0])[0].shape[0]
         if batch_size is None:
             batch_size = static if static is not None else _first_batch_size(x)
-        if steps_per_epoch is not None:  # As many whole global batches, the dataset repeated as needed.
+        cardinality = int(x.cardinality())
+        if steps_per_epoch is not None and (examples is None and cardinality < 0):
+            # Infinite, or of a length unknown without reading it: as many whole global batches as the epochs
+            # take, the dataset repeated as needed (one that ends restarts, where Keras would end the epoch).
             return _Source("dataset", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
                            steps_per_epoch=steps_per_epoch, dataset=x, spec=spec, model=model)
         examples = examples if examples is not None else _dataset_examples(x, static)
-        steps_per_epoch = -(-examples // int(batch_size))  # Keras' batches of a pass, the last one short.
-        return _Source("dataset", batch_size=batch_size, num_examples=examples, steps_per_epoch=steps_per_epoch,
-                       dataset=x, spec=spec, model=model, partial=examples % int(batch_size) != 0)
+        source = _Source("dataset", batch_size=batch_size, num_examples=examples,
+                         steps_per_epoch=steps_per_epoch or -(-examples // int(batch_size)),  # The last one short.
+                         dataset=x, spec=spec, model=model, partial=examples % int(batch_size) != 0)
+        source.finite = True  # Passes of known length: steps_per_epoch below one gives Keras' continuing epochs.
+        return source
     if callable(x):
         if batch_size is None or steps_per_epoch is None:
             raise _fail("With a dataset function, pass batch_size= (the global batch) and steps_per_epoch=.")
@@ -375,9 +387,14 @@ def _build(model: keras.Model, backend: Backend, example: tuple) -> None:
 # Plan -----------------------------------------------------------------------------
 def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, grad_accum_steps: int,
           steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
-          max_steps: Optional[int], extra: dict, array_input: bool = False,
-          partial_dataset: bool = False, why_even: str = "") -> LoopPlan:
-    """The run's numbers; `why_even` (if any) is why this input needs a batch the replicas divide."""
+          max_steps: Optional[int], extra: dict, pass_batches: Optional[int] = None,
+          partial_dataset: bool = False, why_even: str = "", keras_execution: int = 1) -> LoopPlan:
+    """The run's numbers; `why_even` (if any) is why this input needs a batch the replicas divide.
+
+    `pass_batches`: the batches of one pass over the data where they are known (arrays, a dataset of known
+    length): a `steps_per_epoch` below them gives Keras' continuing epochs (epochs.py), `keras_execution`
+    (compile's steps_per_execution) batches an execution.
+    """
     replicas = backend.num_replicas
     unit = replicas * grad_accum_steps
     uneven = bool(batch_size % unit)  # Split as evenly as can be at every step (some parts one example short).
@@ -388,25 +405,42 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                     + (f"{lower} or {upper}." if lower else f"{upper}."))
     whole = num_train // batch_size
     partial_last = partial_dataset
-    batches = -(-num_train // batch_size)
-    if array_input and steps_per_epoch is not None and steps_per_epoch >= batches:
+    limit = keras.config.max_steps_per_epoch()  # Keras' global cap (keras.config.set_max_steps_per_epoch).
+    if limit and (steps_per_epoch is None or steps_per_epoch > limit):
+        logging.warning("Limiting steps_per_epoch to %d (keras.config.max_steps_per_epoch).", limit)
+        steps_per_epoch = limit
+    if pass_batches is not None and steps_per_epoch is not None and steps_per_epoch >= pass_batches:
         # As Keras: every batch, the last one short if it is; past them it warns the input ran out of data.
-        if steps_per_epoch > batches:
-            logging.warning("steps_per_epoch=%d is more than the %d batches the arrays hold: your input ran out of "
+        if steps_per_epoch > pass_batches:
+            logging.warning("steps_per_epoch=%d is more than the %d batches of the input: your input ran out of "
                             "data, so each epoch trains those %d batches (as Keras does).", steps_per_epoch,
-                            batches, batches)
+                            pass_batches, pass_batches)
         steps_per_epoch = None
+    # As Keras: every example once a pass, the last batch holding what is left. Parameter-server workers read
+    # without epochs (each in its own random order), in whole batches.
+    pass_partial = bool(num_train % batch_size) and backend.sharded_input
+    epoch_steps: tuple = ()
+    pass_steps = 0
     if steps_per_epoch is None:
-        # As Keras: every example once an epoch, the last batch holding what is left. Parameter-server
-        # workers read without epochs (each in its own random order), in whole batches.
-        partial_last = bool(num_train % batch_size) and backend.sharded_input
+        partial_last = pass_partial
         steps_per_epoch = -(-num_train // batch_size) if partial_last else whole
         if steps_per_epoch < 1:
             raise _fail(f"batch_size={batch_size} is larger than the training set ({num_train} examples).")
-    limit = keras.config.max_steps_per_epoch()  # Keras' global cap (keras.config.set_max_steps_per_epoch).
-    if limit and steps_per_epoch > limit:
-        logging.warning("Limiting steps_per_epoch to %d (keras.config.max_steps_per_epoch).", limit)
-        steps_per_epoch, partial_last = limit, partial_dataset
+    elif pass_batches is not None:  # Below a pass: Keras' epochs go on where the last one stopped.
+        partial_last = pass_partial
+        pass_steps = pass_batches if partial_last else whole
+        if pass_steps < 1:
+            raise _fail(f"batch_size={batch_size} is larger than the training set ({num_train} examples).")
+        epoch_steps = epochs_lib.keras_epoch_steps(steps_per_epoch, pass_steps, epochs, keras_execution)
+        if min(epoch_steps) < steps_per_epoch:
+            logging.warning("steps_per_epoch=%d with %d batches a pass: each epoch goes on where the last stopped, "
+                            "and one that reaches the end of the data ends there (your input ran out of data), as "
+                            "in Keras' fit: epochs of %s steps.", steps_per_epoch, pass_steps,
+                            ", ".join(map(str, epoch_steps[:6])) + (", ..." if len(epoch_steps) > 6 else ""))
+        if pass_steps == steps_per_epoch:
+            pass_steps = 0  # A pass an epoch.
+        if set(epoch_steps) == {steps_per_epoch}:
+            epoch_steps = ()  # Epochs alike: steps_per_epoch each (passes may still span several).
     if partial_last and backend.device_kind == "tpu":
         raise _fail(f"The training set ({num_train} examples) does not divide into global batches of "
                     f"{batch_size}, and a TPU compiles one shape: its last, partial batch cannot be trained as "
@@ -416,11 +450,7 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                                ("steps_per_execution", steps_per_execution, 1)):
         if value is not None and value < least:
             raise _fail(f"{name}={value} must be {least} or more.")
-    if array_input and steps_per_epoch > whole and not partial_last:
-        raise _fail(f"steps_per_epoch={steps_per_epoch} needs {steps_per_epoch * batch_size} examples an epoch, but "
-                    f"the arrays hold {num_train} ({whole} whole batches of {batch_size}); use steps_per_epoch="
-                    f"{whole} or less.")
-    total = steps_per_epoch * epochs
+    total = sum(epoch_steps) if epoch_steps else steps_per_epoch * epochs
     if max_steps is not None:
         total = min(total, max_steps)
     partial_last = partial_last or uneven  # Parts of differing sizes, each carrying the step's global count.
@@ -430,8 +460,15 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
         num_replicas=replicas,
         grad_accum_steps=grad_accum_steps, steps_per_epoch=steps_per_epoch, epochs=epochs, total_steps=total,
         steps_per_execution=steps_per_execution or default_steps_per_execution(backend), seed=seed,
-        extra=tuple(sorted(extra.items())), partial_last=partial_last,
+        extra=tuple(sorted(extra.items())), partial_last=partial_last, epoch_steps=epoch_steps,
+        pass_steps=pass_steps,
     )
+
+
+def _compiled_execution(model: keras.Model) -> int:
+    """compile(steps_per_execution=): the batches an epoch's executions take in Keras (epochs.py)."""
+    compiled = getattr(model, "steps_per_execution", 1)
+    return compiled if isinstance(compiled, int) and not isinstance(compiled, bool) and compiled > 1 else 1
 
 
 def default_steps_per_execution(backend: Backend) -> int:
@@ -624,8 +661,8 @@ def fit(
                  extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {}),
                         **fit_args.plan_fields(shuffle=source.shuffle, class_weight=class_weight,
                                                validation_split=validation_split)},
-                 array_input=source.kind == "arrays", partial_dataset=source.partial,
-                 why_even=_why_even(backend, source))
+                 pass_batches=source.pass_batches(), partial_dataset=source.partial,
+                 why_even=_why_even(backend, source), keras_execution=_compiled_execution(model))
     source.check_batches(plan)
     _check_short_custom_step(model, backend, plan, source.num_examples)
     _build(model, backend, source.example(plan.micro_batch))

@@ -36,6 +36,7 @@ from absl import logging
 
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
+from tfdist.training import epochs as epochs_lib
 from tfdist.training.fit_args import should_validate
 from tfdist.training.steps import StepFunctions
 
@@ -113,6 +114,27 @@ class LoopPlan:
     # example count, and `per_replica_batch` is the largest share.
     partial_last: bool = False
     num_replicas: int = 1
+    # Keras' epochs where steps_per_epoch is below the batches of one pass over the data (epochs.py): the
+    # steps of each epoch (empty: `steps_per_epoch` each), and the steps of a pass, whose order continues
+    # across epochs (0: a pass an epoch).
+    epoch_steps: tuple = ()
+    pass_steps: int = 0
+
+    def epoch_start(self, epoch: int) -> int:
+        """The step an epoch begins at (the total past the last epoch)."""
+        if not self.epoch_steps:
+            return epoch * self.steps_per_epoch
+        return epochs_lib.epoch_start(self.epoch_steps, epoch)
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch the step after `step` steps belongs to."""
+        if not self.epoch_steps:
+            return step // self.steps_per_epoch
+        return epochs_lib.epoch_of(self.epoch_steps, step)
+
+    def steps_per_pass(self) -> int:
+        """Steps in one pass over the data (the order is drawn anew for each)."""
+        return self.pass_steps or self.steps_per_epoch
 
     def resume_fields(self) -> dict[str, Any]:
         fields = {
@@ -120,6 +142,10 @@ class LoopPlan:
             "grad_accum_steps": self.grad_accum_steps, "steps_per_epoch": self.steps_per_epoch,
             "epochs": self.epochs, "seed": self.seed,
         }
+        if self.pass_steps:  # Only where epochs are Keras' continuing ones: older plans stay comparable.
+            fields.update(pass_steps=self.pass_steps)
+        if self.epoch_steps:
+            fields.update(epoch_steps=list(self.epoch_steps))
         fields.update(dict(self.extra))
         return json.loads(json.dumps(fields))  # What a JSON round trip keeps.
 
@@ -281,10 +307,12 @@ class Controller:
             return {}
         self.callbacks.on_test_begin()
         iterator = self.eval_iterator_fn()
+        totals = self.steps.reset_metrics(self.steps.eval_layout)
         if not self.test_batch_hooks:
-            totals = self.backend.execute(self.steps.eval_chunk, iterator, tf.constant(self.eval_steps, tf.int64))
+            totals = self.steps.eval_layout.combine(totals, self.backend.execute(
+                self.steps.eval_chunk, iterator, tf.constant(self.eval_steps, tf.int64)))
         else:  # As Keras' evaluate: the hooks every steps_per_execution batches, with the running logs.
-            totals, per = np.zeros(self.steps.eval_layout.size), self.test_batch_hooks
+            per = self.test_batch_hooks
             for first in range(0, self.eval_steps, per):
                 self.callbacks.on_test_batch_begin(first)
                 count = tf.constant(min(per, self.eval_steps - first), tf.int64)
@@ -295,6 +323,7 @@ class Controller:
         if self.eval_examples is not None and count != self.eval_examples:
             raise RuntimeError(f"Evaluation counted {count} examples, expected {self.eval_examples}.")
         self.val_examples = count
+        self.steps.store_metrics(totals, self.steps.eval_layout)
         self.callbacks.on_test_end(self.steps.eval_layout.results(totals))
         return self.steps.eval_layout.results(totals, prefix="val_")
 
@@ -302,8 +331,8 @@ class Controller:
         """Whether `step` ends one of Keras' executions (every steps_per_execution batches of an epoch, or the
         epoch's end): tfdist may run one in several (a short last batch, a checkpoint), its hooks run once."""
         plan = self.plan
-        return (step - epoch * plan.steps_per_epoch) % plan.steps_per_execution == 0 or \
-            step % plan.steps_per_epoch == 0 or step == plan.total_steps
+        return (step - plan.epoch_start(epoch)) % plan.steps_per_execution == 0 or \
+            step == plan.epoch_start(epoch + 1) or step == plan.total_steps
 
     def run(self, start_step: int) -> LoopResult:
         plan, backend, steps = self.plan, self.backend, self.steps
@@ -334,12 +363,12 @@ class Controller:
         calibrating = bool(self.every_secs)  # Until the checkpoint interval is set from a timed segment.
         with StopRequest(flag) as stop, self._profiler_guard():
             while step < plan.total_steps and not self.model.stop_training:
-                epoch = step // plan.steps_per_epoch
+                epoch, start = plan.epoch_of(step), plan.epoch_start(plan.epoch_of(step))
                 if not epoch_open:
-                    steps.reset_metrics()
+                    epoch_totals = steps.reset_metrics()
                     self.callbacks.on_epoch_begin(epoch)
                     epoch_open = True
-                boundary = min(plan.total_steps, (epoch + 1) * plan.steps_per_epoch)
+                boundary = min(plan.total_steps, plan.epoch_start(epoch + 1))
                 if self.every:
                     boundary = min(boundary, (step // self.every + 1) * self.every)
                 if calibrating:  # Two short segments: the first compiles, the second is timed.
@@ -359,14 +388,14 @@ class Controller:
                             return
                         num = min(plan.steps_per_execution, boundary - dispatched)
                         if plan.partial_last:
-                            # An epoch's short last step runs as an execution of its own: collectives of
+                            # A pass's short last step runs as an execution of its own: collectives of
                             # one compiled loop must keep their shapes (sparse gradients' all-gather).
-                            short = (dispatched // plan.steps_per_epoch + 1) * plan.steps_per_epoch - 1
+                            short = (dispatched // plan.steps_per_pass() + 1) * plan.steps_per_pass() - 1
                             if dispatched < short:
                                 num = min(num, short - dispatched)
-                        if self.batch_hooks and (dispatched - epoch * plan.steps_per_epoch) % \
+                        if self.batch_hooks and (dispatched - start) % \
                                 plan.steps_per_execution == 0:  # Keras' executions begin at these batches.
-                            self.callbacks.on_train_batch_begin(dispatched - epoch * plan.steps_per_epoch)
+                            self.callbacks.on_train_batch_begin(dispatched - start)
                         self._profile_start(dispatched)
                         pending.append((num, backend.dispatch(steps.train_chunk, iterator, tf.constant(num, tf.int64),
                                                               stop_arg)))
@@ -400,7 +429,7 @@ class Controller:
                             batch_nonfinite = False
                             # Keras' index: the execution's first batch + steps_per_execution - 1, also for a
                             # short last execution.
-                            local = step - 1 - epoch * plan.steps_per_epoch
+                            local = step - 1 - start
                             self.callbacks.on_train_batch_end(
                                 local - local % plan.steps_per_execution + plan.steps_per_execution - 1, batch_logs)
                         epoch_nonfinite = epoch_nonfinite or bool(nonfinite and not self.loss_scaling)
@@ -425,7 +454,7 @@ class Controller:
                         if not self.summary_every or step // self.summary_every != (step - num) // self.summary_every:
                             self._train_summaries(layout.results(summary_totals), step)
                             summary_totals = None
-                        self.progress.update(epoch, step - epoch * plan.steps_per_epoch, epoch_totals, layout)
+                        self.progress.update(epoch, step - start, epoch_totals, layout)
                         if not agreed_stop and self.batch_hooks:
                             fill()  # After the hooks: a stop they requested dispatches nothing more.
                 except BaseException as error:
@@ -452,9 +481,10 @@ class Controller:
                     self._scalar("train/examples_per_sec", segment_examples / seconds, step=step)
                 if agreed_stop or (backend.single_controller and stop.requested):
                     raise Preempted(step, self.save_fn(step))
-                at_epoch_end = step % plan.steps_per_epoch == 0 or step == plan.total_steps or \
+                at_epoch_end = step == plan.epoch_start(epoch + 1) or step == plan.total_steps or \
                     self.model.stop_training
                 if at_epoch_end:
+                    steps.store_metrics(epoch_totals)  # Before validation, which reads them (Keras' evaluate).
                     train_logs = layout.results(epoch_totals)
                     if epoch_nonfinite:
                         train_logs["loss"] = float("nan")
@@ -499,7 +529,7 @@ class Controller:
         continues from there. A checkpoint resumed further on (tfdist's workdir) wins.
         """
         initial = getattr(self.model, "_initial_epoch", None) or self.initial_epoch or 0
-        first = min(int(initial) * self.plan.steps_per_epoch, self.plan.total_steps)
+        first = min(self.plan.epoch_start(int(initial)), self.plan.total_steps)
         if first <= start_step:
             return start_step
         logging.info("Starting at epoch %d (%s): training starts at step %d.", initial,

@@ -92,6 +92,26 @@ class MetricLayout:
             return summed
         return tf.concat([summed, tail if tail is not None else totals[self.base:]], 0)
 
+    def opening(self) -> np.ndarray:
+        """As Keras' reset_metrics at an epoch's or an evaluation's start: each metric's own reset_state(), then
+        its state (zeros, unless its reset_state keeps it) as the totals the steps add to."""
+        totals = np.zeros(self.size)
+        for metric in self.metrics:
+            metric.reset_state()
+        offset = NUM_SCALARS
+        for variable, size in zip(self.variables, self.sizes):
+            totals[offset:offset + size] = np.reshape(tf_variable(variable).read_value(), [-1])
+            offset += size
+        return totals
+
+    def store(self, totals: np.ndarray) -> None:
+        """The summed states written into the metrics' variables, where Keras' fit leaves them (a metric read
+        after fit, or by a callback at an epoch's end, shows what Keras' would)."""
+        offset = NUM_SCALARS
+        for variable, size, shape in zip(self.variables, self.sizes, self.shapes):
+            variable.assign(np.asarray(totals[offset:offset + size]).reshape(shape).astype(variable.dtype))
+            offset += size
+
     def combine(self, earlier: np.ndarray, later: np.ndarray) -> np.ndarray:
         """Two executions' totals (on the host): sums, and the later logs tail where it holds a step."""
         combined = np.asarray(earlier, np.float64) + np.asarray(later, np.float64)
@@ -375,11 +395,27 @@ class StepFunctions:
         names = set(plain.results(np.zeros(plain.size)))
         return MetricLayout(self.model, keys=keys, logs=custom_steps.LogLayout([k for k in keys if k not in names]))
 
-    def reset_metrics(self) -> None:
-        """At an epoch's start, as Keras' fit: a custom step's own trackers count from zero (its logs read them)."""
-        if self.custom_train and not self.backend.asynchronous:  # Parameter servers: never written (stateless).
+    def reset_metrics(self, layout: Optional[MetricLayout] = None) -> np.ndarray:
+        """At an epoch's (or an evaluation's) start, as Keras' reset_metrics: the totals to start from.
+
+        A custom step's own trackers count from zero (its logs read them); compiled metrics start from their
+        state after their own reset_state() (`MetricLayout.opening`). Parameter servers: zeros (their
+        variables are never written: steps are stateless there).
+        """
+        layout = layout or self.layout
+        if self.backend.asynchronous:
+            return np.zeros(layout.size)
+        if self.custom_train:
             for metric in self.model.metrics:
                 metric.reset_state()
+            return np.zeros(layout.size)
+        return layout.opening() if layout.logs is None else np.zeros(layout.size)
+
+    def store_metrics(self, totals: np.ndarray, layout: Optional[MetricLayout] = None) -> None:
+        """Where Keras leaves them: the compiled metrics' states at an epoch's or an evaluation's end."""
+        layout = layout or self.layout
+        if not self.backend.asynchronous and not self.custom_train and layout.logs is None:
+            layout.store(totals)
 
     @property
     def synced(self) -> list:
