@@ -44,14 +44,26 @@ def test_rows_of_a_sparse_tensor_are_gathered_as_dense_rows():
 @pytest.mark.parametrize("uneven", [False, True])
 def test_sparse_batches_train_evaluate_and_predict_as_keras_on_two_replicas(uneven):
     """A generator of SparseTensor batches (Keras' trainer_test form) and a whole SparseTensor x with a batch
-    the replicas do not divide: Adagrad's accumulators and the weights equal Keras' own on one device."""
+    the replicas do not divide: Adagrad's accumulators and the weights equal Keras' own on one device, the
+    kernel's gradient reaching the optimizer row-sparse (each replica's rows gathered and merged)."""
     reference = sparse_model()
     strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
     with strategy.scope():
         model = sparse_model()
     if not uneven:
         reference.fit(sparse_batches(), verbose=0, shuffle=False)
-        tfdist.fit(model, sparse_batches(), verbose=0, shuffle=False)
+        updates, assign_sub = [], model.optimizer.assign_sub
+
+        def recorded(variable, value):  # As Keras' test_fit_sparse: the update reaches the optimizer row-sparse.
+            updates.append(type(value).__name__)
+            return assign_sub(variable, value)
+
+        model.optimizer.assign_sub = recorded
+        try:
+            tfdist.fit(model, sparse_batches(), verbose=0, shuffle=False)
+        finally:
+            del model.optimizer.assign_sub
+        assert "IndexedSlices" in updates, updates
     else:
         parts = list(sparse_batches(count=3, rows=7))
         x, y = tf.sparse.concat(0, [p[0] for p in parts]), tf.concat([p[1] for p in parts], 0)
@@ -111,3 +123,16 @@ def test_a_ragged_dataset_evaluates_as_keras_and_sparse_inputs_refuse_micro_batc
     with pytest.raises(tfdist.UserError, match=r"The inputs hold a SparseTensor or RaggedTensor, which tfdist does "
                                                r"not cut into grad_accum_steps=2 micro-batches"):
         tfdist.fit(model, tokens, y, batch_size=4, grad_accum_steps=2, verbose=0)
+
+
+def test_sparse_inputs_under_a_collective_all_reduce_keep_one_shape_an_execution():
+    """MirroredStrategy's default (collective) all-reduce takes one shape an execution: row-sparse gradients
+    one step an execution (the default there), summed dense in executions of several steps; both as Keras."""
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32")
+    for steps_per_execution in (None, 3):
+        reference = sparse_model()
+        reference.fit(sparse_batches(count=6), verbose=0, shuffle=False)
+        with strategy.scope():
+            model = sparse_model()
+        tfdist.fit(model, sparse_batches(count=6), verbose=0, shuffle=False, steps_per_execution=steps_per_execution)
+        assert_same(model, reference)

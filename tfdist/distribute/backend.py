@@ -152,6 +152,69 @@ EXIT_BARRIER = "tfdist_exit"
 _LEAVING_LAST: list[str] = []  # Labels of backends whose exit hook is registered (one per process).
 
 
+_SUMMARY_FIELDS = ("writer", "step", "is_recording", "is_recording_distribution_strategy")
+
+
+def _summary_state() -> dict:
+    """This thread's tf.summary defaults (writer, step, recording condition)."""
+    from tensorflow.python.ops import summary_ops_v2
+
+    return {name: getattr(summary_ops_v2._summary_state, name, None) for name in _SUMMARY_FIELDS}
+
+
+@contextlib.contextmanager
+def _summaries_as(state: dict) -> Any:
+    """Another thread's tf.summary defaults, in this thread for the duration."""
+    from tensorflow.python.ops import summary_ops_v2
+
+    previous = _summary_state()
+    for name, value in state.items():
+        setattr(summary_ops_v2._summary_state, name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(summary_ops_v2._summary_state, name, value)
+
+
+def unique_rows(grad: tf.IndexedSlices) -> tf.IndexedSlices:
+    """Each row once, its occurrences summed (as one device's sparse-input kernel gradient holds them)."""
+    rows, position = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, position, tf.size(rows))
+    return tf.IndexedSlices(values, rows, grad.dense_shape)
+
+
+def sum_rows(grad: tf.IndexedSlices, context: Any, backend: "Backend") -> tf.IndexedSlices:
+    """The sum over every replica of row gradients whose number of rows differs by replica, as unique rows.
+
+    Each replica places its rows, padded to the largest count, in its own slot of a zero buffer, and the
+    buffers are summed across the replicas (of one shape on every member; counts first, the same way): every
+    replica's rows, on every replica, then merged. The same rows and values everywhere: one device's gradient
+    of the global batch. Parameter-server workers apply their own. The shapes vary by step: where the
+    all-reduce cannot take that within an execution (`Backend.varying_shapes`), only one-step executions use it.
+    """
+    if context is None or backend.num_replicas == 1 or backend.asynchronous:
+        return unique_rows(grad)
+    replicas, me = backend.num_replicas, tf.cast(context.replica_id_in_sync_group, tf.int64)
+
+    def gathered(rows: tf.Tensor, slot: tf.Tensor) -> tf.Tensor:  # [replicas * slot, ...]: each replica's rows.
+        inner = tf.shape(rows, out_type=tf.int64)[1:]
+        padded = tf.concat([rows, tf.zeros(tf.concat([[slot - tf.shape(rows, out_type=tf.int64)[0]], inner], 0),
+                                           rows.dtype)], 0)
+        placed = tf.concat([tf.zeros(tf.concat([[me * slot], inner], 0), rows.dtype), padded,
+                            tf.zeros(tf.concat([[(replicas - 1 - me) * slot], inner], 0), rows.dtype)], 0)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, placed)
+
+    count = tf.shape(grad.indices, out_type=tf.int64)[0]
+    counts = gathered(tf.reshape(count, [1]), tf.constant(1, tf.int64))
+    largest = tf.reduce_max(counts)
+    indices = gathered(tf.cast(grad.indices, tf.int64) + 1, largest) - 1  # Padding: -1.
+    values = gathered(grad.values, largest)
+    real = indices >= 0
+    return unique_rows(tf.IndexedSlices(tf.boolean_mask(values, real), tf.boolean_mask(indices, real),
+                                        grad.dense_shape))
+
+
 @dataclasses.dataclass
 class Backend:
     """A tf.distribute strategy as the training loop sees it."""
@@ -172,6 +235,10 @@ class Backend:
     sharded_input: bool = True
     # "bfloat16": gradients travel in bfloat16 (half the bytes) and are summed back in their own dtype.
     gradient_dtype: str = "float32"
+    # Whether the all-reduce takes a shape that changes from step to step within one compiled execution
+    # (`sum_rows`): MirroredStrategy's cross-device reductions (nccl, hierarchical_copy, reduce_to_one) do;
+    # collective ops (its default, MultiWorkerMirrored's) keep an execution's first shape and abort on another.
+    varying_shapes: bool = False
 
     # What `tfdist.make_strategy` returns: the tf.distribute strategy itself.
     @property
@@ -212,19 +279,28 @@ class Backend:
     def reduce_sum(self, per_replica: Any) -> tf.Tensor:
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
-    def finish_gradients(self, grads: list[Any]) -> list[Any]:
+    def sum_rows_each_step(self, steps_per_execution: int) -> bool:
+        """Whether sparse inputs' row gradients can be summed as rows (`sum_rows`) in executions of this many
+        steps: under a collective all-reduce only one step at a time; Horovod sums them dense."""
+        return self.varying_shapes or steps_per_execution == 1
+
+    def finish_gradients(self, grads: list[Any], distinct_rows: bool = False) -> list[Any]:
         """Sums a replica's gradients across all replicas and workers (inside a replica).
 
         `None` gradients (unused weights) stay `None`; sparse gradients
-        (`IndexedSlices`, from embeddings) are all-reduced as such.
+        (`IndexedSlices`, from embeddings) are all-reduced as such. With `distinct_rows` (a sparse input's
+        kernel gradient: each replica's own unique rows, their number differing by replica) every
+        `IndexedSlices` is summed as unique rows instead (`sum_rows`).
         """
         context = tf.distribute.get_replica_context()
-        present = [g for g in grads if g is not None]
+        summed = {i: sum_rows(g, context, self) for i, g in enumerate(grads)
+                  if distinct_rows and isinstance(g, tf.IndexedSlices)}
+        present = [g for i, g in enumerate(grads) if g is not None and i not in summed]
         if context is None or not present or self.num_replicas == 1:
-            return grads
+            return [summed.get(i, g) for i, g in enumerate(grads)]
         sent = compress(present, self.gradient_dtype)
         reduced = iter(decompress(context.all_reduce(tf.distribute.ReduceOp.SUM, sent), present))
-        return [None if g is None else next(reduced) for g in grads]
+        return [summed[i] if i in summed else None if g is None else next(reduced) for i, g in enumerate(grads)]
 
     def replica_sum(self) -> Optional[Callable[[list], list]]:
         """Sums tensors over the replicas inside a step where TensorFlow has no replica context to (Horovod),
@@ -294,10 +370,12 @@ class Backend:
         """
         if self._runner is None:
             self._runner = Runner()
-        return self._runner.submit(self._call_in_scope, compiled, args)
+        return self._runner.submit(self._call_in_scope, compiled, args, _summary_state())
 
-    def _call_in_scope(self, compiled: Callable, args: tuple) -> np.ndarray:
-        with self.scope():  # The strategy scope is per thread; Keras reads it while tracing.
+    def _call_in_scope(self, compiled: Callable, args: tuple, summaries: dict) -> np.ndarray:
+        # The strategy scope is per thread; Keras reads it while tracing. So is tf.summary's default writer:
+        # the caller's (a TensorBoard callback's, for tf.summary calls inside the model) is the runner's too.
+        with self.scope(), _summaries_as(summaries):
             return self.execute(compiled, *args)
 
     def fetch(self, handle: Any) -> np.ndarray:

@@ -203,7 +203,10 @@ class HorovodBackend(Backend):
     def reduce_sum(self, value: Any) -> tf.Tensor:
         return self.hvd.allreduce(value, op=self.hvd.Sum)
 
-    def finish_gradients(self, grads: list[Any]) -> list[Any]:
+    def sum_rows_each_step(self, steps_per_execution: int) -> bool:
+        return False  # Horovod's grouped all-reduce takes dense tensors only.
+
+    def finish_gradients(self, grads: list[Any], distinct_rows: bool = False) -> list[Any]:
         # Each rank's loss is its share of the global batch's loss (tfdist.training.steps),
         # so summing gives the global-batch gradient. Adasum combines per-rank
         # gradients of each rank's whole loss. Sparse gradients go dense: Horovod's grouped

@@ -246,7 +246,7 @@ def _mirrored(config: StrategyOptions) -> Backend:
     )
     return Backend("mirrored", strategy, "gpu" if on_gpu else "cpu",
                    description=f"MirroredStrategy over {', '.join(devices)} (all-reduce: {config.all_reduce})",
-                   gpu_compute_capability=gpu_compute_capability())
+                   gpu_compute_capability=gpu_compute_capability(), varying_shapes=config.all_reduce != "auto")
 
 
 @register("multi_worker_mirrored")

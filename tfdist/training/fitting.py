@@ -101,6 +101,11 @@ class _Source:
         self.shuffle = True  # Arrays: a seeded permutation each epoch (False: input order; fit_args).
         self.finite = kind == "dataset" and steps_per_epoch is None  # A dataset read a pass at a time.
 
+    def sparse_inputs(self) -> bool:
+        """Whether a SparseTensor input (scipy sparse ones are held as such: `columns.leaf`) feeds the model."""
+        leaves = tf.nest.flatten(self.arrays.structure) if self.arrays is not None else tf.nest.flatten(self.spec)
+        return any(isinstance(leaf, (tf.SparseTensor, tf.SparseTensorSpec)) for leaf in leaves)
+
     def pass_batches(self) -> Optional[int]:
         """Batches of one pass over the data where it is finite and its length known, else None."""
         if self.kind == "arrays" or (self.kind == "dataset" and self.finite):
@@ -477,10 +482,11 @@ def default_steps_per_execution(backend: Backend) -> int:
 
 
 def resolve_steps_per_execution(given: Optional[int], model: keras.Model, callbacks: Any, backend: Backend,
-                                hooks: Sequence[str]) -> Optional[int]:
+                                hooks: Sequence[str], sparse_inputs: bool = False) -> Optional[int]:
     """Steps per execution: tfdist's argument; else `compile(steps_per_execution=)` where the model was compiled
     with more than 1; else 1 where a callback has per-batch `hooks` (Keras calls them after every
-    `steps_per_execution` batches, and compile's default is 1); else tfdist's default.
+    `steps_per_execution` batches, and compile's default is 1), or where sparse inputs' gradients can reach the
+    optimizer row-sparse only one step an execution (`Backend.sum_rows_each_step`); else tfdist's default.
     """
     if given is not None:
         return given
@@ -488,6 +494,8 @@ def resolve_steps_per_execution(given: Optional[int], model: keras.Model, callba
     if isinstance(compiled, int) and not isinstance(compiled, bool) and compiled > 1:
         return compiled
     if has_batch_hooks(list(callbacks or []), hooks):
+        return 1
+    if sparse_inputs and backend.sum_rows_each_step(1) and not backend.sum_rows_each_step(2):
         return 1
     return default_steps_per_execution(backend)
 
@@ -656,7 +664,7 @@ def fit(
     plan = _plan(backend, num_train=source.num_examples, batch_size=int(batch_size), epochs=epochs,
                  grad_accum_steps=grad_accum_steps,
                  steps_per_execution=resolve_steps_per_execution(steps_per_execution, model, callbacks, backend,
-                                                                 BATCH_HOOKS),
+                                                                 BATCH_HOOKS, source.sparse_inputs()),
                  steps_per_epoch=source.steps_per_epoch, seed=seed, max_steps=max_steps,
                  extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {}),
                         **fit_args.plan_fields(shuffle=source.shuffle, class_weight=class_weight,
@@ -715,6 +723,7 @@ def fit(
         step_functions = steps_lib.StepFunctions(
             model, backend, grad_accum_steps=grad_accum_steps, step_counter=step_counter,
             jit_compile=_resolve_jit(jit_compile, backend, model), partial_last=plan.partial_last,
+            row_sparse=backend.sum_rows_each_step(plan.steps_per_execution),
             train_example=custom_steps.keras_data(inputs.drop_none(source.example(plan.micro_batch))),
             eval_example=custom_steps.keras_data(inputs.drop_none(validation.structure)) if validation else None)
         # After the step functions: a custom step's optimizers are built when its step is first traced.

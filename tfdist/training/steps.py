@@ -350,12 +350,14 @@ class StepFunctions:
 
     def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
                  jit_compile: bool = False, train_example: Any = None, eval_example: Any = None,
-                 partial_last: bool = False, training: bool = True):
+                 partial_last: bool = False, training: bool = True, row_sparse: bool = True):
         """``train_example``/``eval_example``: a batch's element structure (`custom_steps.keras_data`),
         for models with a custom ``train_step``/``test_step`` (traced once, `custom_steps.probe`).
-        ``training=False``: evaluation only (`tfdist.evaluate`)."""
+        ``training=False``: evaluation only (`tfdist.evaluate`). ``row_sparse``: a sparse input's kernel
+        gradient may reach the optimizer row-sparse (`Backend.sum_rows_each_step`)."""
         self.model = model
         self.backend = backend
+        self.row_sparse = row_sparse
         self.optimizer = model.optimizer
         self.accum = grad_accum_steps
         self.partial_last = partial_last  # Batches end with the step's global count (`inputs`).
@@ -587,13 +589,16 @@ class StepFunctions:
             deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
             examples += b
         variables = self.model.trainable_variables
-        if any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) for t in tf.nest.flatten(data)):
-            # A sparse input's kernel gradient (Keras' embedding_lookup_sparse) holds each replica's own
-            # unique rows (a ragged input's gathers, its own count of rows): their counts differ across
-            # replicas, which the collective all-gather cannot match. Summed dense it is one device's gradient,
-            # a sparse input's rows merged as one device merges them.
+        leaves = tf.nest.flatten(data)
+        sparse = any(isinstance(t, tf.SparseTensor) for t in leaves)
+        if any(isinstance(t, tf.RaggedTensor) for t in leaves) or (sparse and not self.row_sparse):
+            # A ragged input's gathers, a sparse input's kernel gradient (Keras' embedding_lookup_sparse):
+            # each replica its own count of rows, which a collective all-reduce cannot take from step to step
+            # of one execution. Summed dense it is one device's gradient.
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        grads = self.backend.finish_gradients(grads)
+        # Else a sparse input's kernel gradient (each replica's own unique rows) is summed as unique rows: it
+        # reaches the optimizer row-sparse, one device's gradient.
+        grads = self.backend.finish_gradients(grads, distinct_rows=sparse and self.row_sparse)
         # Whether this step's all-reduced gradients are non-finite: the same on every replica, so
         # 1/replicas from each sums to one count per step (the loop's divergence guard counts steps).
         nonfinite = 1.0 - tf.cast(_all_finite(grads), tf.float32)
