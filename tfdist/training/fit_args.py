@@ -315,8 +315,11 @@ def refuse_distributed(x: Any) -> None:
 # The entry point ----------------------------------------------------------------------
 def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_size: Optional[int],
             steps_per_epoch: Optional[int], shuffle: bool, class_weight: Optional[dict], validation_split: float,
-            seed: int, epochs: int = 1) -> Prepared:
-    """Applies validation_split, class_weight and shuffle and converts PyDatasets and generators (module doc)."""
+            seed: int, epochs: int = 1, stream: bool = False) -> Prepared:
+    """Applies validation_split, class_weight and shuffle and converts PyDatasets and generators (module doc).
+
+    ``stream``: a generator without steps_per_epoch is read as it comes (its one pass an epoch that ends where it
+    does, an endless one included), not into memory first."""
     refuse_distributed(x)
     kind = _kind(x)
     if validation_split and validation_data is None and kind != "arrays":
@@ -375,7 +378,7 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
     if shuffle:
         warnings.warn(GENERATOR_SHUFFLE_WARNING, stacklevel=3)
     if steps_per_epoch is None:
-        dataset, first_size = generator_pass(x)
+        dataset, first_size = generator_to_dataset(x) if stream else generator_pass(x)
         return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind, one_pass=True)
     dataset, first_size = generator_to_dataset(x)
     return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind)

@@ -27,8 +27,8 @@ from tfdist.training import columns, custom_steps, epochs as epochs_lib, fit_arg
 from tfdist.distribute import strategies
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training.loop import (BATCH_HOOKS, TEST_BATCH_HOOKS, Controller, LoopPlan, LoopResult, Preempted,
-                                  has_batch_hooks)
+from tfdist.training.loop import (BATCH_HOOKS, TEST_BATCH_HOOKS, UNBOUNDED, Controller, LoopPlan, LoopResult,
+                                  Preempted, has_batch_hooks)
 
 PLAN_FILE = "plan.json"
 
@@ -100,6 +100,7 @@ class _Source:
         self.spec, self.model = spec, model
         self.shuffle = True  # Arrays: a seeded permutation each epoch (False: input order; fit_args).
         self.finite = kind == "dataset" and steps_per_epoch is None  # A dataset read a pass at a time.
+        self.streamed = False  # A dataset of unknown length read as it comes (`LoopPlan.streamed`).
 
     def sparse_inputs(self) -> bool:
         """Whether a SparseTensor input (scipy sparse ones are held as such: `columns.leaf`) feeds the model."""
@@ -138,6 +139,10 @@ class _Source:
                                           steps_per_epoch=plan.steps_per_pass(), seed=plan.seed, start_step=first,
                                           total_steps=plan.total_steps, partial_last=plan.partial_last,
                                           shuffle=self.shuffle)
+        if self.kind == "dataset" and self.streamed:
+            return inputs.global_batches_fn(self.dataset, per_replica_batch=plan.per_replica_batch,
+                                            global_batch=plan.global_batch, start_step=first, partial_last=True,
+                                            stream=True)
         if self.kind == "dataset":
             return inputs.global_batches_fn(self.dataset, per_replica_batch=plan.per_replica_batch,
                                             global_batch=plan.global_batch,
@@ -223,8 +228,9 @@ def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
 
 
 def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: Any, batch_size: Any,
-            steps_per_epoch: Optional[int], examples: Optional[int] = None) -> _Source:
-    """``examples``: the examples of one pass over `x`, where the caller knows them (a PyDataset)."""
+            steps_per_epoch: Optional[int], examples: Optional[int] = None, stream: bool = False) -> _Source:
+    """``examples``: the examples of one pass over `x`, where the caller knows them (a PyDataset). ``stream``:
+    a dataset of unknown length is read as it comes, its epochs ending where it ends (`can_stream`)."""
     if isinstance(x, tf.data.Dataset):
         if y is not None or sample_weight is not None:
             raise _fail("x is a tf.data.Dataset, so y and sample_weight must come from it; drop y=/sample_weight=.")
@@ -236,6 +242,11 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
         if batch_size is None:
             batch_size = static if static is not None else _first_batch_size(x)
         cardinality = int(x.cardinality())
+        if stream and examples is None and cardinality == tf.data.UNKNOWN_CARDINALITY:
+            source = _Source("dataset", batch_size=batch_size, steps_per_epoch=steps_per_epoch, dataset=x,
+                             num_examples=(steps_per_epoch or 1) * int(batch_size), spec=spec, model=model)
+            source.streamed = True
+            return source
         if steps_per_epoch is not None and (examples is None and cardinality < 0):
             # Infinite, or of a length unknown without reading it: as many whole global batches as the epochs
             # take, the dataset repeated as needed (one that ends restarts, where Keras would end the epoch).
@@ -393,14 +404,19 @@ def _build(model: keras.Model, backend: Backend, example: tuple) -> None:
 def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, grad_accum_steps: int,
           steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
           max_steps: Optional[int], extra: dict, pass_batches: Optional[int] = None,
-          partial_dataset: bool = False, why_even: str = "", keras_execution: int = 1) -> LoopPlan:
+          partial_dataset: bool = False, why_even: str = "", keras_execution: int = 1,
+          streamed: bool = False) -> LoopPlan:
     """The run's numbers; `why_even` (if any) is why this input needs a batch the replicas divide.
 
     `pass_batches`: the batches of one pass over the data where they are known (arrays, a dataset of known
     length): a `steps_per_epoch` below them gives Keras' continuing epochs (epochs.py), `keras_execution`
-    (compile's steps_per_execution) batches an execution.
+    (compile's steps_per_execution) batches an execution. `streamed`: a stream (`_stream_plan`).
     """
     replicas = backend.num_replicas
+    if streamed:
+        return _stream_plan(backend, batch_size=batch_size, epochs=epochs, grad_accum_steps=grad_accum_steps,
+                            steps_per_execution=steps_per_execution, steps_per_epoch=steps_per_epoch, seed=seed,
+                            max_steps=max_steps, extra=extra)
     unit = replicas * grad_accum_steps
     uneven = bool(batch_size % unit)  # Split as evenly as can be at every step (some parts one example short).
     if uneven and why_even:
@@ -468,6 +484,38 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
         extra=tuple(sorted(extra.items())), partial_last=partial_last, epoch_steps=epoch_steps,
         pass_steps=pass_steps,
     )
+
+
+def can_stream(backend: Backend) -> bool:
+    """Whether a dataset of unknown length (a generator's) can be read as it comes, its epochs ending where it
+    ends: one process drives every replica (a multi-worker job's workers would each have to learn it), the
+    batch shapes may vary (not a TPU), and the input is sharded (not parameter servers)."""
+    return backend.single_controller and backend.device_kind != "tpu" and backend.sharded_input and \
+        not backend.asynchronous
+
+
+def _stream_plan(backend: Backend, *, batch_size: int, epochs: int, grad_accum_steps: int,
+                 steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
+                 max_steps: Optional[int], extra: dict) -> LoopPlan:
+    """A stream's numbers: each of its batches a step (any size, carrying its example count), an epoch
+    `steps_per_epoch` steps or until the data ends (`UNBOUNDED` when not given)."""
+    limit = keras.config.max_steps_per_epoch()
+    if limit and (steps_per_epoch is None or steps_per_epoch > limit):
+        logging.warning("Limiting steps_per_epoch to %d (keras.config.max_steps_per_epoch).", limit)
+        steps_per_epoch = limit
+    for name, value in (("steps_per_epoch", steps_per_epoch), ("max_steps", max_steps),
+                        ("steps_per_execution", steps_per_execution)):
+        if value is not None and value < 1:
+            raise _fail(f"{name}={value} must be 1 or more.")
+    per_epoch = steps_per_epoch or UNBOUNDED
+    total = per_epoch * epochs if max_steps is None else min(per_epoch * epochs, max_steps)
+    per_replica = -(-batch_size // backend.num_replicas)
+    return LoopPlan(
+        global_batch=batch_size, per_replica_batch=per_replica, micro_batch=-(-per_replica // grad_accum_steps),
+        num_replicas=backend.num_replicas, grad_accum_steps=grad_accum_steps, steps_per_epoch=per_epoch,
+        epochs=epochs, total_steps=total,
+        steps_per_execution=steps_per_execution or default_steps_per_execution(backend), seed=seed,
+        extra=tuple(sorted(extra.items())), partial_last=True, streamed=True)
 
 
 def _compiled_execution(model: keras.Model) -> int:
@@ -637,7 +685,8 @@ def fit(
         raise _fail(f"validation_batch_size={validation_batch_size!r} must be a positive number of examples.")
     given = fit_args.prepare(x, y, sample_weight, validation_data=validation_data, batch_size=batch_size,
                              steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
-                             validation_split=validation_split, seed=seed, epochs=epochs)
+                             validation_split=validation_split, seed=seed, epochs=epochs,
+                             stream=can_stream(backend))
     x, y, sample_weight, validation_data, batch_size = (given.x, given.y, given.sample_weight,
                                                         given.validation_data, given.batch_size)
     if given.one_pass and epochs > initial_epoch + 1:
@@ -646,7 +695,8 @@ def fit(
                       "runs them without data). Pass steps_per_epoch= with a generator that does not end, or a "
                       "keras.utils.PyDataset (read once an epoch).", stacklevel=3)
         epochs = initial_epoch + 1
-    source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch, examples=given.examples)
+    source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch, examples=given.examples,
+                     stream=can_stream(backend) and (steps_per_epoch is not None or given.one_pass))
     source.shuffle = bool(shuffle)
     _check_composite(source, backend, grad_accum_steps)
     fit_args.check_backend(backend, source.kind, source.shuffle)
@@ -669,7 +719,7 @@ def fit(
                  extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {}),
                         **fit_args.plan_fields(shuffle=source.shuffle, class_weight=class_weight,
                                                validation_split=validation_split)},
-                 pass_batches=source.pass_batches(), partial_dataset=source.partial,
+                 pass_batches=source.pass_batches(), partial_dataset=source.partial, streamed=source.streamed,
                  why_even=_why_even(backend, source), keras_execution=_compiled_execution(model))
     source.check_batches(plan)
     _check_short_custom_step(model, backend, plan, source.num_examples)
@@ -723,7 +773,7 @@ def fit(
         step_functions = steps_lib.StepFunctions(
             model, backend, grad_accum_steps=grad_accum_steps, step_counter=step_counter,
             jit_compile=_resolve_jit(jit_compile, backend, model), partial_last=plan.partial_last,
-            row_sparse=backend.sum_rows_each_step(plan.steps_per_execution),
+            row_sparse=backend.sum_rows_each_step(plan.steps_per_execution), streamed=plan.streamed,
             train_example=custom_steps.keras_data(inputs.drop_none(source.example(plan.micro_batch))),
             eval_example=custom_steps.keras_data(inputs.drop_none(validation.structure)) if validation else None)
         # After the step functions: a custom step's optimizers are built when its step is first traced.
@@ -891,7 +941,7 @@ def _run(model, backend, plan, source, validation, step_functions, checkpoint, m
     callback_list = keras.callbacks.CallbackList(
         callbacks_for_task(list(callbacks or []), backend) + [history], add_history=False, add_progbar=False,
         model=model,
-        verbose=0, epochs=plan.epochs, steps=plan.steps_per_epoch)
+        verbose=0, epochs=plan.epochs, steps=plan.known_steps_per_epoch())
 
     def save(step: int) -> Optional[str]:
         if manager is None or not (backend.is_chief or backend.all_tasks_save):

@@ -269,7 +269,7 @@ def eval_arrays_fn(arrays: Arrays, *, per_replica_batch: int, steps: int, static
 
 def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start_step: int = 0,
                       partial_last: bool = False, global_batch: Optional[int] = None,
-                      whole_batches: bool = False) -> DatasetFn:
+                      whole_batches: bool = False, stream: bool = False) -> DatasetFn:
     """Per-replica batches cut from a dataset of global batches, the same way on every topology.
 
     Every pipeline reads the whole dataset (repeated), re-cuts it into global
@@ -282,7 +282,9 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
     element where the replicas do not divide `global_batch` (each global batch
     then split as evenly as it can be). With `whole_batches` (a split the replicas do not divide, but no pass
     ending short: `steps_per_epoch` given) the dataset is read as one stream of whole global batches, as without
-    `partial_last`, so no step depends on where a pass ends.
+    `partial_last`, so no step depends on where a pass ends. With `stream` (a dataset of unknown length,
+    `fitting`) each of the dataset's own batches is a step, split as evenly as can be, carrying its example
+    count, and the dataset is read once, `start_step` batches skipped: the loop ends an epoch where it ends.
     """
     given = global_batch
 
@@ -316,7 +318,9 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
 
             return tf.data.Dataset.range(here).map(replica_batch)
 
-        if partial_last and whole_batches:
+        if stream:  # The dataset's own batches, each a step, until it ends (no repeat): Keras' epochs of a stream.
+            ds = dataset.skip(start_step).flat_map(mine_split)
+        elif partial_last and whole_batches:
             ds = dataset.repeat().unbatch().batch(global_batch, drop_remainder=True).skip(start_step)
             ds = ds.flat_map(mine_split)
         elif partial_last:

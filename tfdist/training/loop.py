@@ -43,6 +43,7 @@ from tfdist.training.steps import StepFunctions
 # A loss that stays non-finite this many steps in a row under loss scaling
 # is divergence, not an overflow the scale can absorb.
 MAX_NONFINITE_STEPS = 50
+UNBOUNDED = 2 ** 50  # A stream's steps_per_epoch where none is given (`LoopPlan.streamed`).
 
 
 class Preempted(Exception):
@@ -119,6 +120,9 @@ class LoopPlan:
     # across epochs (0: a pass an epoch).
     epoch_steps: tuple = ()
     pass_steps: int = 0
+    # A stream (a dataset of unknown length, a generator): its epochs end where the data ends, or after
+    # `steps_per_epoch` steps (`UNBOUNDED`: not given); known only as the loop runs.
+    streamed: bool = False
 
     def epoch_start(self, epoch: int) -> int:
         """The step an epoch begins at (the total past the last epoch)."""
@@ -132,6 +136,10 @@ class LoopPlan:
             return step // self.steps_per_epoch
         return epochs_lib.epoch_of(self.epoch_steps, step)
 
+    def known_steps_per_epoch(self) -> Optional[int]:
+        """Steps in an epoch, or None for a stream without steps_per_epoch (its epoch ends with its data)."""
+        return None if self.streamed and self.steps_per_epoch >= UNBOUNDED else self.steps_per_epoch
+
     def steps_per_pass(self) -> int:
         """Steps in one pass over the data (the order is drawn anew for each)."""
         return self.pass_steps or self.steps_per_epoch
@@ -142,6 +150,8 @@ class LoopPlan:
             "grad_accum_steps": self.grad_accum_steps, "steps_per_epoch": self.steps_per_epoch,
             "epochs": self.epochs, "seed": self.seed,
         }
+        if self.streamed:
+            fields.update(streamed=True)
         if self.pass_steps:  # Only where epochs are Keras' continuing ones: older plans stay comparable.
             fields.update(pass_steps=self.pass_steps)
         if self.epoch_steps:
@@ -159,7 +169,7 @@ class Progress:
     """A progress bar on an interactive chief; a few log lines per epoch otherwise."""
 
     enabled: bool
-    steps_per_epoch: int
+    steps_per_epoch: Optional[int]
     bar: Optional[keras.utils.Progbar] = None
     last_logged: int = -1
 
@@ -173,10 +183,10 @@ class Progress:
                 self.bar = keras.utils.Progbar(self.steps_per_epoch, stateful_metrics=list(logs))
             self.bar.update(step_in_epoch, list(logs.items()))
             return
-        quarter = max(1, self.steps_per_epoch // 4)
+        quarter = max(1, self.steps_per_epoch // 4) if self.steps_per_epoch else 100
         if step_in_epoch // quarter != self.last_logged // quarter or step_in_epoch == self.steps_per_epoch:
             shown = show_logs(layout.results(totals))
-            logging.info("epoch %d: step %d/%d %s", epoch + 1, step_in_epoch, self.steps_per_epoch, shown)
+            logging.info("epoch %d: step %d/%s %s", epoch + 1, step_in_epoch, self.steps_per_epoch or "?", shown)
         self.last_logged = step_in_epoch
 
 
@@ -241,7 +251,7 @@ class Controller:
         self.loss_scaling = loss_scaling
         self.every = checkpoint_every_steps
         self.every_secs = checkpoint_every_secs
-        self.progress = Progress(progress and backend.is_chief, plan.steps_per_epoch)
+        self.progress = Progress(progress and backend.is_chief, plan.known_steps_per_epoch())
         self.error = error
         self.model = steps.model
         self.summary_every = summary_every_steps
@@ -254,7 +264,8 @@ class Controller:
         # Decided from the user's callbacks on every task alike (the chief runs more of them), so every
         # worker keeps the same number of executions in flight and collectives stay matched.
         self.batch_hooks = has_batch_hooks(callbacks.callbacks) if batch_hooks is None else batch_hooks
-        self.in_flight = 1 if self.batch_hooks and not backend.asynchronous else backend.max_in_flight
+        self.in_flight = 1 if (self.batch_hooks or plan.streamed) and not backend.asynchronous \
+            else backend.max_in_flight  # A stream: each execution's steps known before the next is sent.
         self.val_examples: Optional[int] = None
         self.initial_epoch = initial_epoch  # fit(initial_epoch=): a BackupAndRestore's restored epoch wins.
         self.validation_freq = validation_freq
@@ -327,12 +338,12 @@ class Controller:
         self.callbacks.on_test_end(self.steps.eval_layout.results(totals))
         return self.steps.eval_layout.results(totals, prefix="val_")
 
-    def _keras_execution_ends(self, step: int, epoch: int) -> bool:
-        """Whether `step` ends one of Keras' executions (every steps_per_execution batches of an epoch, or the
-        epoch's end): tfdist may run one in several (a short last batch, a checkpoint), its hooks run once."""
+    def _keras_execution_ends(self, step: int, start: int, end: int) -> bool:
+        """Whether `step` ends one of Keras' executions (every steps_per_execution batches of the epoch that
+        began at `start`, or its `end`): tfdist may run one in several (a short last batch, a checkpoint), its
+        hooks run once."""
         plan = self.plan
-        return (step - plan.epoch_start(epoch)) % plan.steps_per_execution == 0 or \
-            step == plan.epoch_start(epoch + 1) or step == plan.total_steps
+        return (step - start) % plan.steps_per_execution == 0 or step == end or step == plan.total_steps
 
     def run(self, start_step: int) -> LoopResult:
         plan, backend, steps = self.plan, self.backend, self.steps
@@ -343,6 +354,8 @@ class Controller:
         self.check_agreement(start_step, self.precision)
         step = start_step
         iterator = self.train_iterator_fn(start_step)
+        # A stream's epochs are found as it runs: the epoch, the step it began at, whether the data ended.
+        stream_epoch, stream_start, ended = self._stream_position(start_step)
         layout = steps.layout
         epoch_totals = np.zeros(layout.size)
         epoch_seconds: dict[int, float] = {}
@@ -362,13 +375,17 @@ class Controller:
         stop_arg = flag if flag is not None else tf.constant(0.0)
         calibrating = bool(self.every_secs)  # Until the checkpoint interval is set from a timed segment.
         with StopRequest(flag) as stop, self._profiler_guard():
-            while step < plan.total_steps and not self.model.stop_training:
-                epoch, start = plan.epoch_of(step), plan.epoch_start(plan.epoch_of(step))
+            while step < plan.total_steps and not self.model.stop_training and stream_epoch < plan.epochs:
+                if plan.streamed:
+                    epoch, start, end = stream_epoch, stream_start, stream_start + plan.steps_per_epoch
+                else:
+                    epoch = plan.epoch_of(step)
+                    start, end = plan.epoch_start(epoch), plan.epoch_start(epoch + 1)
                 if not epoch_open:
                     epoch_totals = steps.reset_metrics()
                     self.callbacks.on_epoch_begin(epoch)
                     epoch_open = True
-                boundary = min(plan.total_steps, plan.epoch_start(epoch + 1))
+                boundary = min(plan.total_steps, end)
                 if self.every:
                     boundary = min(boundary, (step // self.every + 1) * self.every)
                 if calibrating:  # Two short segments: the first compiles, the second is timed.
@@ -383,11 +400,11 @@ class Controller:
                     # are fetched (on every worker alike, so collectives stay matched), and
                     # parameter-server workers get a new one as each finishes.
                     nonlocal dispatched
-                    while dispatched < boundary and len(pending) < self.in_flight:
+                    while dispatched < boundary and len(pending) < self.in_flight and not ended:
                         if (backend.single_controller and stop.requested) or self.model.stop_training:
                             return
                         num = min(plan.steps_per_execution, boundary - dispatched)
-                        if plan.partial_last:
+                        if plan.partial_last and not plan.streamed:
                             # A pass's short last step runs as an execution of its own: collectives of
                             # one compiled loop must keep their shapes (sparse gradients' all-gather).
                             short = (dispatched // plan.steps_per_pass() + 1) * plan.steps_per_pass() - 1
@@ -411,8 +428,11 @@ class Controller:
                         fetching = False
                         if totals is None:  # The steps ran; their sums were lost with a worker.
                             totals = np.zeros(layout.size)
+                        if plan.streamed:  # The steps the execution ran: fewer where the data ended.
+                            done = int(steps.step_counter.numpy()) - step
+                            ended, num = ended or done < num, done
                         step += num
-                        segment_examples += num * plan.global_batch
+                        segment_examples += int(round(float(totals[0]))) if plan.streamed else num * plan.global_batch
                         # Multi-worker jobs agree through the stop flag that travelled with the
                         # execution's reduction: no worker dispatches more once it is seen.
                         agreed_stop = agreed_stop or totals[2] > 0
@@ -422,7 +442,7 @@ class Controller:
                         nonfinite = int(round(float(totals[1])))
                         epoch_totals = layout.combine(epoch_totals, totals)
                         batch_nonfinite = batch_nonfinite or bool(nonfinite and not self.loss_scaling)
-                        if self.batch_hooks and self._keras_execution_ends(step, epoch):
+                        if self.batch_hooks and num and (plan.streamed or self._keras_execution_ends(step, start, end)):
                             batch_logs = layout.results(epoch_totals)
                             if batch_nonfinite:
                                 batch_logs["loss"] = float("nan")  # What Keras' logs show (TerminateOnNaN reads it).
@@ -481,7 +501,7 @@ class Controller:
                     self._scalar("train/examples_per_sec", segment_examples / seconds, step=step)
                 if agreed_stop or (backend.single_controller and stop.requested):
                     raise Preempted(step, self.save_fn(step))
-                at_epoch_end = step == plan.epoch_start(epoch + 1) or step == plan.total_steps or \
+                at_epoch_end = step == end or step == plan.total_steps or ended or \
                     self.model.stop_training
                 if at_epoch_end:
                     steps.store_metrics(epoch_totals)  # Before validation, which reads them (Keras' evaluate).
@@ -500,6 +520,14 @@ class Controller:
                     epoch_totals = np.zeros(layout.size)
                     self.callbacks.on_epoch_end(epoch, logs)
                     epoch_open = False
+                    if plan.streamed:
+                        if ended and plan.known_steps_per_epoch() is not None and step - start < end - start:
+                            logging.warning("Your input ran out of data: epoch %d ended after %d of %d steps; the "
+                                            "next epoch reads it again from its start (as Keras' fit).", epoch + 1,
+                                            step - start, end - start)
+                        stream_epoch, stream_start = stream_epoch + 1, step
+                        if ended and stream_epoch < plan.epochs and not self.model.stop_training:
+                            iterator, ended = self.train_iterator_fn(0), False  # A new pass over the data.
                 if diverged_stop(self.model, epoch_nonfinite_seen):
                     logging.warning("A callback stopped training at step %d after a non-finite loss; the weights "
                                     "are not finite, so no checkpoint or export was written for these steps.", step)
@@ -521,6 +549,18 @@ class Controller:
         )
 
 
+    def _stream_position(self, start_step: int) -> tuple[int, int, bool]:
+        """A stream's epoch at `start_step`, the step that epoch began at, and False (its data has not ended):
+        with steps_per_epoch, as counted; without, the first (its one pass). Other inputs: (0, 0, False)."""
+        plan = self.plan
+        if not plan.streamed:
+            return 0, 0, False
+        initial = int(getattr(self.model, "_initial_epoch", None) or self.initial_epoch or 0)
+        if plan.known_steps_per_epoch() is None:
+            return initial, 0, False
+        epoch = max(initial, start_step // plan.steps_per_epoch)
+        return epoch, min(start_step, epoch * plan.steps_per_epoch), False
+
     def _initial_step(self, start_step: int) -> int:
         """Where training starts once callbacks began: a `BackupAndRestore` may move it to a later epoch.
 
@@ -529,6 +569,8 @@ class Controller:
         continues from there. A checkpoint resumed further on (tfdist's workdir) wins.
         """
         initial = getattr(self.model, "_initial_epoch", None) or self.initial_epoch or 0
+        if self.plan.streamed:  # Its epochs' steps are not known ahead: it starts where it is (`_stream_position`).
+            return start_step
         first = min(self.plan.epoch_start(int(initial)), self.plan.total_steps)
         if first <= start_step:
             return start_step

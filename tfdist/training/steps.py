@@ -350,14 +350,17 @@ class StepFunctions:
 
     def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
                  jit_compile: bool = False, train_example: Any = None, eval_example: Any = None,
-                 partial_last: bool = False, training: bool = True, row_sparse: bool = True):
+                 partial_last: bool = False, training: bool = True, row_sparse: bool = True,
+                 streamed: bool = False):
         """``train_example``/``eval_example``: a batch's element structure (`custom_steps.keras_data`),
         for models with a custom ``train_step``/``test_step`` (traced once, `custom_steps.probe`).
         ``training=False``: evaluation only (`tfdist.evaluate`). ``row_sparse``: a sparse input's kernel
-        gradient may reach the optimizer row-sparse (`Backend.sum_rows_each_step`)."""
+        gradient may reach the optimizer row-sparse (`Backend.sum_rows_each_step`). ``streamed``: the input
+        may end in an execution (a stream: `_train_chunk`)."""
         self.model = model
         self.backend = backend
         self.row_sparse = row_sparse
+        self.streamed = streamed
         self.optimizer = model.optimizer
         self.accum = grad_accum_steps
         self.partial_last = partial_last  # Batches end with the step's global count (`inputs`).
@@ -633,6 +636,12 @@ class StepFunctions:
             # One step at a time: collectives of two steps in flight at once would
             # collide (Horovod names its all-reduces by graph node).
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+            if self.streamed:  # A stream may end here: the execution then ends, its steps counted.
+                element = iterator.get_next_as_optional()
+                if not element.has_value():
+                    break
+                totals = self._train_step(element.get_value(), tf.convert_to_tensor(stop), totals)
+                continue
             # Read each step: a stop requested on a worker mid-execution (a variable) travels
             # with this execution's reduction.
             totals = self._train_step(next(iterator), tf.convert_to_tensor(stop), totals)
