@@ -24,6 +24,17 @@ def test_the_optimizer_is_patched_only_while_entered_and_restored_exactly():
         assert "_all_reduce_sum_gradients" in vars(optimizer)
     assert "_all_reduce_sum_gradients" not in vars(optimizer)
 
+    def failing(before, key):  # A replacement that cannot be made leaves no entry behind: the next installs.
+        raise KeyError("cannot make it")
+
+    with pytest.raises(KeyError):
+        with keras_hooks._replaced(optimizer, "_all_reduce_sum_gradients", failing):
+            pass
+    assert "_all_reduce_sum_gradients" not in vars(optimizer)
+    with keras_hooks.no_gradient_sum(optimizer):
+        assert "_all_reduce_sum_gradients" in vars(optimizer)  # Installed (a stale entry would skip it).
+        assert optimizer._all_reduce_sum_gradients([(1, 2)]) == [(1, 2)]
+
     own = lambda grads_and_vars: "the user's own"  # noqa: E731  An attribute the user set is put back.
     optimizer._all_reduce_sum_gradients = own
     with pytest.raises(ZeroDivisionError):
