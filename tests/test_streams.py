@@ -92,3 +92,26 @@ def test_an_endless_generator_trains_until_a_callback_stops_it():
     ours, theirs = both(lambda: {"x": batches(endless=True), "epochs": 1}, callbacks=lambda: [StopAfter(13)])
     assert_as_keras(ours, theirs)
     assert sum(1 for c in ours[0].calls if c[0] == "train_end") == 13
+
+
+def test_what_a_stream_cannot_do_is_refused_before_any_step(tmp_path):
+    """A batch_size that would re-cut a stream's batches; resuming a stream whose epochs may have ended early
+    (where its passes ended is not recorded); steps_per_epoch=0."""
+    import pytest
+
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = compiled(model_fn(), 1)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(tfdist.UserError, match=r"batch_size=8 cannot re-cut its batches \(the first holds 4"):
+        tfdist.fit(model, batches(), batch_size=8, verbose=0)
+    with pytest.raises(tfdist.UserError, match=r"steps_per_epoch=0 must be 1 or more"):
+        tfdist.fit(model, unknown_length(), steps_per_epoch=0, verbose=0)
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    tfdist.fit(model, unknown_length(), steps_per_epoch=4, epochs=3, verbose=0, workdir=str(tmp_path / "run"))
+    trained = [w.copy() for w in model.get_weights()]
+    with pytest.raises(tfdist.UserError, match=r"Cannot resume the run .* where its passes ended"):
+        tfdist.fit(model, unknown_length(), steps_per_epoch=4, epochs=3, verbose=0, workdir=str(tmp_path / "run"))
+    for a, b in zip(model.get_weights(), trained):  # Refused before the checkpoint was restored into the model.
+        np.testing.assert_array_equal(a, b)

@@ -281,8 +281,11 @@ class Backend:
 
     def sum_rows_each_step(self, steps_per_execution: int) -> bool:
         """Whether sparse inputs' row gradients can be summed as rows (`sum_rows`) in executions of this many
-        steps: under a collective all-reduce only one step at a time; Horovod sums them dense."""
-        return self.varying_shapes or steps_per_execution == 1
+        steps: under a collective all-reduce only one step at a time; Horovod sums them dense; parameter-server
+        workers apply their own, dense (as before rows were summed)."""
+        if self.asynchronous:
+            return False
+        return self.varying_shapes or self.num_replicas == 1 or steps_per_execution == 1
 
     def finish_gradients(self, grads: list[Any], distinct_rows: bool = False) -> list[Any]:
         """Sums a replica's gradients across all replicas and workers (inside a replica).

@@ -103,6 +103,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         x, y, steps_per_epoch = digits.train_images, digits.train_labels, plan.steps_per_epoch
     fit(model, x, y, batch_size=plan.global_batch, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
         validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,
+        drop_remainder=True,  # Whole global batches a pass: each epoch a new permutation's (batching.BatchPlan).
         steps_per_execution=plan.steps_per_execution, grad_accum_steps=plan.grad_accum_steps, seed=config.seed,
         max_steps=config.max_steps, checkpoint_every_steps=config.checkpoint_every_steps,
         checkpoint_every_secs=config.checkpoint_every_secs,

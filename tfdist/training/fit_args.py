@@ -377,8 +377,10 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
                         "(x, y, sample_weight) batches with the class weights, or use a keras.utils.PyDataset.")
     if shuffle:
         warnings.warn(GENERATOR_SHUFFLE_WARNING, stacklevel=3)
-    if steps_per_epoch is None:
-        dataset, first_size = generator_to_dataset(x) if stream else generator_pass(x)
-        return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind, one_pass=True)
-    dataset, first_size = generator_to_dataset(x)
-    return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind)
+    dataset, first_size = generator_pass(x) if steps_per_epoch is None and not stream else generator_to_dataset(x)
+    if stream and batch_size is not None and batch_size != first_size:
+        raise UserError(f"x is a Python generator, read as it comes: each batch it yields is a step, so "
+                        f"batch_size={batch_size} cannot re-cut its batches (the first holds {first_size} "
+                        "examples); drop batch_size= (a generator's batches are the batches, as in Keras).")
+    return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind,
+                    one_pass=steps_per_epoch is None)

@@ -243,6 +243,10 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
             batch_size = static if static is not None else _first_batch_size(x)
         cardinality = int(x.cardinality())
         if stream and examples is None and cardinality == tf.data.UNKNOWN_CARDINALITY:
+            if static is not None and int(batch_size) != static:
+                raise _fail(f"x is a dataset of unknown length, read as it comes: each of its batches (of {static}) "
+                            f"is a step, so batch_size={batch_size} cannot re-cut them; drop batch_size= or "
+                            "batch the dataset with it.")
             source = _Source("dataset", batch_size=batch_size, steps_per_epoch=steps_per_epoch, dataset=x,
                              num_examples=(steps_per_epoch or 1) * int(batch_size), spec=spec, model=model)
             source.streamed = True
@@ -405,15 +409,19 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
           steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
           max_steps: Optional[int], extra: dict, pass_batches: Optional[int] = None,
           partial_dataset: bool = False, why_even: str = "", keras_execution: int = 1,
-          streamed: bool = False) -> LoopPlan:
+          streamed: bool = False, drop_remainder: bool = False, row_layers: bool = False) -> LoopPlan:
     """The run's numbers; `why_even` (if any) is why this input needs a batch the replicas divide.
 
     `pass_batches`: the batches of one pass over the data where they are known (arrays, a dataset of known
     length): a `steps_per_epoch` below them gives Keras' continuing epochs (epochs.py), `keras_execution`
     (compile's steps_per_execution) batches an execution. `streamed`: a stream (`_stream_plan`).
+    `drop_remainder`: a pass over arrays is its whole global batches only (tfdist-train's plan; on a TPU with
+    steps_per_epoch, which compiles one shape).
     """
     replicas = backend.num_replicas
     if streamed:
+        if steps_per_execution is None and row_layers and not backend.sum_rows_each_step(2):
+            steps_per_execution = 1  # An Embedding's rows vary with the batch: a collective takes one shape a call.
         return _stream_plan(backend, batch_size=batch_size, epochs=epochs, grad_accum_steps=grad_accum_steps,
                             steps_per_execution=steps_per_execution, steps_per_epoch=steps_per_epoch, seed=seed,
                             max_steps=max_steps, extra=extra)
@@ -426,6 +434,11 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                     + (f"{lower} or {upper}." if lower else f"{upper}."))
     whole = num_train // batch_size
     partial_last = partial_dataset
+    if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or steps_per_epoch < 1):
+        raise _fail(f"steps_per_epoch={steps_per_epoch} must be 1 or more.")
+    drop_remainder = drop_remainder or (backend.device_kind == "tpu" and steps_per_epoch is not None)
+    if drop_remainder and pass_batches is not None and not partial_dataset:
+        pass_batches = whole
     limit = keras.config.max_steps_per_epoch()  # Keras' global cap (keras.config.set_max_steps_per_epoch).
     if limit and (steps_per_epoch is None or steps_per_epoch > limit):
         logging.warning("Limiting steps_per_epoch to %d (keras.config.max_steps_per_epoch).", limit)
@@ -439,7 +452,7 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
         steps_per_epoch = None
     # As Keras: every example once a pass, the last batch holding what is left. Parameter-server workers read
     # without epochs (each in its own random order), in whole batches.
-    pass_partial = bool(num_train % batch_size) and backend.sharded_input
+    pass_partial = bool(num_train % batch_size) and backend.sharded_input and not drop_remainder
     epoch_steps: tuple = ()
     pass_steps = 0
     if steps_per_epoch is None:
@@ -486,12 +499,13 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
     )
 
 
-def can_stream(backend: Backend) -> bool:
+def can_stream(backend: Backend, model: keras.Model) -> bool:
     """Whether a dataset of unknown length (a generator's) can be read as it comes, its epochs ending where it
     ends: one process drives every replica (a multi-worker job's workers would each have to learn it), the
-    batch shapes may vary (not a TPU), and the input is sharded (not parameter servers)."""
+    batch shapes may vary (not a TPU), the input is sharded (not parameter servers), and the model has no custom
+    train_step (whose step on a replica with no example, a short batch's, tfdist refuses before training)."""
     return backend.single_controller and backend.device_kind != "tpu" and backend.sharded_input and \
-        not backend.asynchronous
+        not backend.asynchronous and not custom_steps.overrides(model, "train_step")
 
 
 def _stream_plan(backend: Backend, *, batch_size: int, epochs: int, grad_accum_steps: int,
@@ -650,6 +664,7 @@ def fit(
     initial_epoch: int = 0,
     validation_steps: Optional[int] = None,
     validation_batch_size: Optional[int] = None,
+    drop_remainder: bool = False,
     _report: Optional[dict] = None,
 ) -> keras.callbacks.History:
     """Trains `model` (built and compiled under the strategy's scope); returns its History.
@@ -686,7 +701,7 @@ def fit(
     given = fit_args.prepare(x, y, sample_weight, validation_data=validation_data, batch_size=batch_size,
                              steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
                              validation_split=validation_split, seed=seed, epochs=epochs,
-                             stream=can_stream(backend))
+                             stream=can_stream(backend, model))
     x, y, sample_weight, validation_data, batch_size = (given.x, given.y, given.sample_weight,
                                                         given.validation_data, given.batch_size)
     if given.one_pass and epochs > initial_epoch + 1:
@@ -695,8 +710,10 @@ def fit(
                       "runs them without data). Pass steps_per_epoch= with a generator that does not end, or a "
                       "keras.utils.PyDataset (read once an epoch).", stacklevel=3)
         epochs = initial_epoch + 1
+    if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or steps_per_epoch < 1):
+        raise _fail(f"steps_per_epoch={steps_per_epoch!r} must be 1 or more (steps in an epoch), or None.")
     source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch, examples=given.examples,
-                     stream=can_stream(backend) and (steps_per_epoch is not None or given.one_pass))
+                     stream=can_stream(backend, model) and (steps_per_epoch is not None or given.one_pass))
     source.shuffle = bool(shuffle)
     _check_composite(source, backend, grad_accum_steps)
     fit_args.check_backend(backend, source.kind, source.shuffle)
@@ -719,7 +736,9 @@ def fit(
                  extra={"data": source.kind, "num_train": source.num_examples, **(plan_extra or {}),
                         **fit_args.plan_fields(shuffle=source.shuffle, class_weight=class_weight,
                                                validation_split=validation_split)},
-                 pass_batches=source.pass_batches(), partial_dataset=source.partial, streamed=source.streamed,
+                 pass_batches=source.pass_batches() if backend.sharded_input else None,  # PS: no passes.
+                 partial_dataset=source.partial, streamed=source.streamed, drop_remainder=drop_remainder,
+                 row_layers=any(isinstance(layer, keras.layers.Embedding) for layer in model._flatten_layers()),
                  why_even=_why_even(backend, source), keras_execution=_compiled_execution(model))
     source.check_batches(plan)
     _check_short_custom_step(model, backend, plan, source.num_examples)
@@ -753,6 +772,13 @@ def fit(
                                 "--resume (resume=True) to start a new run.")
             if latest is not None:
                 check_resume(workdir, plan)
+                if plan.streamed and plan.known_steps_per_epoch() is not None:
+                    raise UserError(
+                        f"Cannot resume the run in --workdir={workdir}: its input is a dataset of unknown length "
+                        "read as a stream with steps_per_epoch, and where its passes ended (its epochs can end "
+                        "early) was not recorded, so the data cannot be continued exactly. Give the dataset its "
+                        "length (dataset.apply(tf.data.experimental.assert_cardinality(batches))), or start a new "
+                        "--workdir.")
                 try:
                     workdir_lib.restore_checkpoint(checkpoint, latest)
                 except (AssertionError, ValueError, tf.errors.OpError) as e:

@@ -109,7 +109,15 @@ class MetricLayout:
         after fit, or by a callback at an epoch's end, shows what Keras' would)."""
         offset = NUM_SCALARS
         for variable, size, shape in zip(self.variables, self.sizes, self.shapes):
-            variable.assign(np.asarray(totals[offset:offset + size]).reshape(shape).astype(variable.dtype))
+            value = np.asarray(totals[offset:offset + size]).reshape(shape).astype(variable.dtype)
+            held = tf_variable(variable)
+            copies = getattr(held, "values", None) \
+                if getattr(held, "synchronization", None) == tf.VariableSynchronization.ON_READ else None
+            if copies and len(copies) > 1:  # Sync-on-read (summed when read): the total on the first copy only.
+                for index, copy in enumerate(copies):  # (Assigning the whole would split it, truncating ints.)
+                    copy.assign(value if index == 0 else np.zeros_like(value))
+            else:
+                variable.assign(value)
             offset += size
 
     def combine(self, earlier: np.ndarray, later: np.ndarray) -> np.ndarray:
@@ -594,7 +602,8 @@ class StepFunctions:
         variables = self.model.trainable_variables
         leaves = tf.nest.flatten(data)
         sparse = any(isinstance(t, tf.SparseTensor) for t in leaves)
-        if any(isinstance(t, tf.RaggedTensor) for t in leaves) or (sparse and not self.row_sparse):
+        if any(isinstance(t, tf.RaggedTensor) for t in leaves) or (sparse and not self.row_sparse) or \
+                (self.streamed and not self.row_sparse):  # A stream's batches vary in size within an execution.
             # A ragged input's gathers, a sparse input's kernel gradient (Keras' embedding_lookup_sparse):
             # each replica its own count of rows, which a collective all-reduce cannot take from step to step
             # of one execution. Summed dense it is one device's gradient.
