@@ -127,12 +127,29 @@ def test_a_ragged_dataset_evaluates_as_keras_and_sparse_inputs_refuse_micro_batc
 
 def test_sparse_inputs_under_a_collective_all_reduce_keep_one_shape_an_execution():
     """MirroredStrategy's default (collective) all-reduce takes one shape an execution: row-sparse gradients
-    one step an execution (the default there), summed dense in executions of several steps; both as Keras."""
-    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32")
-    for steps_per_execution in (None, 3):
-        reference = sparse_model()
-        reference.fit(sparse_batches(count=6), verbose=0, shuffle=False)
-        with strategy.scope():
-            model = sparse_model()
-        tfdist.fit(model, sparse_batches(count=6), verbose=0, shuffle=False, steps_per_execution=steps_per_execution)
-        assert_same(model, reference)
+    one step an execution (the default there), summed dense in executions of several steps; both as Keras.
+    In a process of its own: collectives of two strategies in one process share instance keys (see
+    test_fitting.MIRRORED), so this would break the next collective test run in the same process."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+
+    result = subprocess.run([sys.executable, "-c", COLLECTIVE_PROGRAM], capture_output=True, text=True,
+                            timeout=300, cwd=REPO, env=subprocess_env())
+    assert result.returncode == 0 and "ok 2" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+COLLECTIVE_PROGRAM = """
+import tfdist
+from tests.test_columns import assert_same, sparse_batches, sparse_model
+strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32")
+for number, steps_per_execution in enumerate((None, 3), 1):
+    reference = sparse_model()
+    reference.fit(sparse_batches(count=6), verbose=0, shuffle=False)
+    with strategy.scope():
+        model = sparse_model()
+    tfdist.fit(model, sparse_batches(count=6), verbose=0, shuffle=False, steps_per_execution=steps_per_execution)
+    assert_same(model, reference)
+    print("ok", number)
+"""
