@@ -93,14 +93,14 @@ class _Source:
     def __init__(self, kind: str, *, batch_size: Optional[int], num_examples: int, steps_per_epoch: Optional[int],
                  arrays: Optional[inputs.Arrays] = None, dataset: Optional[tf.data.Dataset] = None,
                  function: Any = None, spec: Any = None, model: Optional[keras.Model] = None,
-                 partial: bool = False):
+                 partial: bool = False, finite: bool = False, streamed: bool = False):
         self.partial = partial  # A dataset whose last global batch of a pass is short.
         self.kind, self.batch_size, self.num_examples = kind, batch_size, num_examples
         self.steps_per_epoch, self.arrays, self.dataset, self.function = steps_per_epoch, arrays, dataset, function
         self.spec, self.model = spec, model
         self.shuffle = True  # Arrays: a seeded permutation each epoch (False: input order; fit_args).
-        self.finite = kind == "dataset" and steps_per_epoch is None  # A dataset read a pass at a time.
-        self.streamed = False  # A dataset of unknown length read as it comes (`LoopPlan.streamed`).
+        self.finite = finite  # A dataset of known length, read a pass at a time.
+        self.streamed = streamed  # A dataset of unknown length read as it comes (`LoopPlan.streamed`).
 
     def sparse_inputs(self) -> bool:
         """Whether a SparseTensor input (scipy sparse ones are held as such: `columns.leaf`) feeds the model."""
@@ -247,21 +247,18 @@ def _source(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight:
                 raise _fail(f"x is a dataset of unknown length, read as it comes: each of its batches (of {static}) "
                             f"is a step, so batch_size={batch_size} cannot re-cut them; drop batch_size= or "
                             "batch the dataset with it.")
-            source = _Source("dataset", batch_size=batch_size, steps_per_epoch=steps_per_epoch, dataset=x,
-                             num_examples=(steps_per_epoch or 1) * int(batch_size), spec=spec, model=model)
-            source.streamed = True
-            return source
+            return _Source("dataset", batch_size=batch_size, steps_per_epoch=steps_per_epoch, dataset=x,
+                           num_examples=(steps_per_epoch or 1) * int(batch_size), spec=spec, model=model,
+                           streamed=True)
         if steps_per_epoch is not None and (examples is None and cardinality < 0):
             # Infinite, or of a length unknown without reading it: as many whole global batches as the epochs
             # take, the dataset repeated as needed (one that ends restarts, where Keras would end the epoch).
             return _Source("dataset", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
                            steps_per_epoch=steps_per_epoch, dataset=x, spec=spec, model=model)
         examples = examples if examples is not None else _dataset_examples(x, static)
-        source = _Source("dataset", batch_size=batch_size, num_examples=examples,
-                         steps_per_epoch=steps_per_epoch or -(-examples // int(batch_size)),  # The last one short.
-                         dataset=x, spec=spec, model=model, partial=examples % int(batch_size) != 0)
-        source.finite = True  # Passes of known length: steps_per_epoch below one gives Keras' continuing epochs.
-        return source
+        return _Source("dataset", batch_size=batch_size, num_examples=examples,
+                       steps_per_epoch=steps_per_epoch or -(-examples // int(batch_size)),  # The last one short.
+                       dataset=x, spec=spec, model=model, partial=examples % int(batch_size) != 0, finite=True)
     if callable(x):
         if batch_size is None or steps_per_epoch is None:
             raise _fail("With a dataset function, pass batch_size= (the global batch) and steps_per_epoch=.")
@@ -419,6 +416,14 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
     steps_per_epoch, which compiles one shape).
     """
     replicas = backend.num_replicas
+    for name, value in (("steps_per_epoch", steps_per_epoch), ("max_steps", max_steps),
+                        ("steps_per_execution", steps_per_execution)):
+        if value is not None and value < 1:
+            raise _fail(f"{name}={value} must be 1 or more.")
+    limit = keras.config.max_steps_per_epoch()  # Keras' global cap (keras.config.set_max_steps_per_epoch).
+    if limit and (steps_per_epoch is None or steps_per_epoch > limit):
+        logging.warning("Limiting steps_per_epoch to %d (keras.config.max_steps_per_epoch).", limit)
+        steps_per_epoch = limit
     if streamed:
         if steps_per_execution is None and row_layers and not backend.sum_rows_each_step(2):
             steps_per_execution = 1  # An Embedding's rows vary with the batch: a collective takes one shape a call.
@@ -434,15 +439,9 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                     + (f"{lower} or {upper}." if lower else f"{upper}."))
     whole = num_train // batch_size
     partial_last = partial_dataset
-    if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or steps_per_epoch < 1):
-        raise _fail(f"steps_per_epoch={steps_per_epoch} must be 1 or more.")
     drop_remainder = drop_remainder or (backend.device_kind == "tpu" and steps_per_epoch is not None)
     if drop_remainder and pass_batches is not None and not partial_dataset:
         pass_batches = whole
-    limit = keras.config.max_steps_per_epoch()  # Keras' global cap (keras.config.set_max_steps_per_epoch).
-    if limit and (steps_per_epoch is None or steps_per_epoch > limit):
-        logging.warning("Limiting steps_per_epoch to %d (keras.config.max_steps_per_epoch).", limit)
-        steps_per_epoch = limit
     if pass_batches is not None and steps_per_epoch is not None and steps_per_epoch >= pass_batches:
         # As Keras: every batch, the last one short if it is; past them it warns the input ran out of data.
         if steps_per_epoch > pass_batches:
@@ -480,10 +479,6 @@ def _plan(backend: Backend, *, num_train: int, batch_size: int, epochs: int, gra
                     f"{batch_size}, and a TPU compiles one shape: its last, partial batch cannot be trained as "
                     "Keras trains it. Use a batch_size that divides the training set, pass steps_per_epoch= "
                     "(whole batches), or batch a dataset with drop_remainder=True.")
-    for name, value, least in (("steps_per_epoch", steps_per_epoch, 1), ("max_steps", max_steps, 1),
-                               ("steps_per_execution", steps_per_execution, 1)):
-        if value is not None and value < least:
-            raise _fail(f"{name}={value} must be {least} or more.")
     total = sum(epoch_steps) if epoch_steps else steps_per_epoch * epochs
     if max_steps is not None:
         total = min(total, max_steps)
@@ -511,16 +506,8 @@ def can_stream(backend: Backend, model: keras.Model) -> bool:
 def _stream_plan(backend: Backend, *, batch_size: int, epochs: int, grad_accum_steps: int,
                  steps_per_execution: Optional[int], steps_per_epoch: Optional[int], seed: int,
                  max_steps: Optional[int], extra: dict) -> LoopPlan:
-    """A stream's numbers: each of its batches a step (any size, carrying its example count), an epoch
-    `steps_per_epoch` steps or until the data ends (`UNBOUNDED` when not given)."""
-    limit = keras.config.max_steps_per_epoch()
-    if limit and (steps_per_epoch is None or steps_per_epoch > limit):
-        logging.warning("Limiting steps_per_epoch to %d (keras.config.max_steps_per_epoch).", limit)
-        steps_per_epoch = limit
-    for name, value in (("steps_per_epoch", steps_per_epoch), ("max_steps", max_steps),
-                        ("steps_per_execution", steps_per_execution)):
-        if value is not None and value < 1:
-            raise _fail(f"{name}={value} must be 1 or more.")
+    """A stream's numbers (`_plan` checked them): each of its batches a step (any size, carrying its example
+    count), an epoch `steps_per_epoch` steps or until the data ends (`UNBOUNDED` when not given)."""
     per_epoch = steps_per_epoch or UNBOUNDED
     total = per_epoch * epochs if max_steps is None else min(per_epoch * epochs, max_steps)
     per_replica = -(-batch_size // backend.num_replicas)
@@ -552,9 +539,8 @@ def resolve_steps_per_execution(given: Optional[int], model: keras.Model, callba
     """
     if given is not None:
         return given
-    compiled = getattr(model, "steps_per_execution", 1)
-    if isinstance(compiled, int) and not isinstance(compiled, bool) and compiled > 1:
-        return compiled
+    if _compiled_execution(model) > 1:
+        return _compiled_execution(model)
     if has_batch_hooks(list(callbacks or []), hooks):
         return 1
     if sparse_inputs and backend.sum_rows_each_step(1) and not backend.sum_rows_each_step(2):
@@ -698,10 +684,10 @@ def fit(
     if validation_batch_size is not None and (isinstance(validation_batch_size, bool) or
                                               not isinstance(validation_batch_size, int) or validation_batch_size < 1):
         raise _fail(f"validation_batch_size={validation_batch_size!r} must be a positive number of examples.")
+    streamable = can_stream(backend, model)
     given = fit_args.prepare(x, y, sample_weight, validation_data=validation_data, batch_size=batch_size,
                              steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
-                             validation_split=validation_split, seed=seed, epochs=epochs,
-                             stream=can_stream(backend, model))
+                             validation_split=validation_split, seed=seed, epochs=epochs, stream=streamable)
     x, y, sample_weight, validation_data, batch_size = (given.x, given.y, given.sample_weight,
                                                         given.validation_data, given.batch_size)
     if given.one_pass and epochs > initial_epoch + 1:
@@ -713,7 +699,7 @@ def fit(
     if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or steps_per_epoch < 1):
         raise _fail(f"steps_per_epoch={steps_per_epoch!r} must be 1 or more (steps in an epoch), or None.")
     source = _source(model, backend, x, y, sample_weight, batch_size, steps_per_epoch, examples=given.examples,
-                     stream=can_stream(backend, model) and (steps_per_epoch is not None or given.one_pass))
+                     stream=streamable and (steps_per_epoch is not None or given.one_pass))
     source.shuffle = bool(shuffle)
     _check_composite(source, backend, grad_accum_steps)
     fit_args.check_backend(backend, source.kind, source.shuffle)
@@ -738,7 +724,8 @@ def fit(
                                                validation_split=validation_split)},
                  pass_batches=source.pass_batches() if backend.sharded_input else None,  # PS: no passes.
                  partial_dataset=source.partial, streamed=source.streamed, drop_remainder=drop_remainder,
-                 row_layers=any(isinstance(layer, keras.layers.Embedding) for layer in model._flatten_layers()),
+                 row_layers=source.streamed and any(isinstance(layer, keras.layers.Embedding)
+                                                    for layer in model._flatten_layers()),
                  why_even=_why_even(backend, source), keras_execution=_compiled_execution(model))
     source.check_batches(plan)
     _check_short_custom_step(model, backend, plan, source.num_examples)

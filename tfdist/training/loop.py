@@ -548,7 +548,6 @@ class Controller:
             device_step_count=None, val_examples=self.val_examples, diverged=diverged,
         )
 
-
     def _stream_position(self, start_step: int) -> tuple[int, int, bool]:
         """A stream's epoch at `start_step`, the step that epoch began at, and False (its data has not ended):
         with steps_per_epoch, as counted; without, the first (its one pass). Other inputs: (0, 0, False)."""
