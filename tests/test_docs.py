@@ -75,3 +75,15 @@ def test_the_readme_keeps_its_two_set_up_commands():
 
 def test_ci_runs_exactly_the_readmes_test_command():
     assert TEST_COMMAND in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_layout_names_every_training_and_distribute_module_and_each_path_it_gives_exists():
+    """docs/layout.md: a module added or moved without it fails here; so does an answer naming a missing file."""
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    tree = FENCE.search(layout).group(0)
+    for package in ("training", "distribute"):
+        for module in sorted((ROOT / "tfdist" / package).glob("*.py")):
+            if module.name != "__init__.py":
+                assert re.search(rf"^ +{re.escape(module.name)} ", tree, re.M), f"{package}/{module.name}"
+    named = re.findall(r"`(tfdist/[\w/]+\.py)`", layout.split("## Where does X happen")[1])
+    assert len(named) >= 15 and all((ROOT / path).is_file() for path in named), named

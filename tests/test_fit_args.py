@@ -472,12 +472,12 @@ def test_epoch_saving_keras_callbacks_keep_tfdists_steps_per_execution():
     """ModelCheckpoint/BackupAndRestore saving per epoch and an epoch-writing TensorBoard do nothing in their
     batch hooks: they do not force one step an execution (Keras' default with batch hooks); per-batch ones do."""
     from tfdist.distribute import strategies as strategies_lib
-    from tfdist.training import fitting, loop
+    from tfdist.training import callbacks, plan
 
     model, strategy = tfdist_model("mirrored", MIRRORED)
     backend = strategies_lib.backend_of(strategy)
     inert = [keras.callbacks.ModelCheckpoint("/tmp/unused.keras"), keras.callbacks.BackupAndRestore("/tmp/unused"),
              keras.callbacks.TensorBoard("/tmp/unused")]
-    assert fitting.resolve_steps_per_execution(None, model, inert, backend, loop.BATCH_HOOKS) == 10
+    assert plan.resolve_steps_per_execution(None, model, inert, backend, callbacks.BATCH_HOOKS) == 10
     acting = [keras.callbacks.ModelCheckpoint("/tmp/unused.keras", save_freq=5)]
-    assert fitting.resolve_steps_per_execution(None, model, acting, backend, loop.BATCH_HOOKS) == 1
+    assert plan.resolve_steps_per_execution(None, model, acting, backend, callbacks.BATCH_HOOKS) == 1

@@ -1,4 +1,4 @@
-"""XLA for tfdist.fit's step (tfdist.training.fitting._resolve_jit): "auto" as Keras resolves it, clear refusals.
+"""XLA for tfdist.fit's step (tfdist.training.checks.resolve_jit): "auto" as Keras resolves it, clear refusals.
 
 No GPU here: Keras' own "auto" resolution at ``compile`` is made to see a GPU
 (it lists the physical devices), and tfdist's side gets a stand-in backend
@@ -13,7 +13,7 @@ import tensorflow as tf
 import tfdist
 from tfdist.distribute.backend import Backend
 from tfdist.distribute.cluster import ClusterInfo
-from tfdist.training.fitting import _resolve_jit
+from tfdist.training.checks import resolve_jit
 
 
 def gpu_backend():
@@ -48,21 +48,21 @@ def compiled_on_a_gpu_machine(model, monkeypatch, **compile_args):
 
 def test_auto_follows_keras_resolution_of_the_model(monkeypatch):
     assert compiled_on_a_gpu_machine(dense_model(), monkeypatch).jit_compile is True  # Keras' own choice.
-    assert _resolve_jit("auto", gpu_backend(), compiled_on_a_gpu_machine(dense_model(), monkeypatch)) is True
+    assert resolve_jit("auto", gpu_backend(), compiled_on_a_gpu_machine(dense_model(), monkeypatch)) is True
     # compile(jit_compile=False) is the user's word.
-    assert _resolve_jit("auto", gpu_backend(),
+    assert resolve_jit("auto", gpu_backend(),
                         compiled_on_a_gpu_machine(dense_model(), monkeypatch, jit_compile=False)) is False
     # A layer without XLA support: Keras resolves "auto" to False, and so does tfdist.
     with pytest.warns(UserWarning, match="Model doesn't support `jit_compile=True`"):
         forced = compiled_on_a_gpu_machine(lookup_model(), monkeypatch, jit_compile=True)
     assert forced.jit_compile is False
-    assert _resolve_jit("auto", gpu_backend(), compiled_on_a_gpu_machine(lookup_model(), monkeypatch)) is False
+    assert resolve_jit("auto", gpu_backend(), compiled_on_a_gpu_machine(lookup_model(), monkeypatch)) is False
     # On this CPU-only machine Keras resolves "auto" to False: so does tfdist.
     plain = dense_model()
     plain.compile(optimizer="sgd", loss="mse")
-    assert _resolve_jit("auto", gpu_backend(), plain) is False
+    assert resolve_jit("auto", gpu_backend(), plain) is False
     # Where tfdist cannot run XLA, "auto" stays off rather than failing.
-    assert _resolve_jit("auto", cpu_workers_backend(), compiled_on_a_gpu_machine(dense_model(), monkeypatch)) is False
+    assert resolve_jit("auto", cpu_workers_backend(), compiled_on_a_gpu_machine(dense_model(), monkeypatch)) is False
 
 
 def test_true_with_a_layer_without_xla_support_is_refused_before_any_step():
@@ -83,9 +83,9 @@ def test_true_on_a_multi_worker_cpu_job_is_refused():
     model = dense_model()
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(tfdist.UserError) as raised:
-        _resolve_jit(True, cpu_workers_backend(), model)
+        resolve_jit(True, cpu_workers_backend(), model)
     assert str(raised.value) == (
         "XLA (jit_compile=True) on a multi-worker CPU job (2 workers) is refused: TensorFlow aborts the workers "
         "(SIGABRT, double free) in XLA-compiled collectives on CPUs. Use jit_compile='auto' or False on CPUs (XLA "
         "is also slower there), or XLA on GPU workers.")
-    assert _resolve_jit(True, gpu_backend(), model) is True  # One process, one device: honoured.
+    assert resolve_jit(True, gpu_backend(), model) is True  # One process, one device: honoured.

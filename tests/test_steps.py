@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.training import steps as steps_lib
+from tfdist.training import checks, steps as steps_lib
 from tests.conftest import REPO
 from tests.test_horovod import horovodrun, needs_horovod
 from tfdist.distribute import strategies
@@ -64,7 +64,7 @@ def test_one_gradient_all_reduce_per_step_and_one_reduction_per_execution(monkey
         functions = steps_lib.StepFunctions(model, backend, grad_accum_steps=1, step_counter=counter_var)
         dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
         counter = Counter(monkeypatch)
-        functions.train_chunk.get_concrete_function(iter(dataset), tf.TensorSpec([], tf.int64),
+        functions.train_execution.get_concrete_function(iter(dataset), tf.TensorSpec([], tf.int64),
                                                     tf.TensorSpec([], tf.float32))
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
@@ -77,7 +77,7 @@ def test_one_gradient_all_reduce_per_step_and_one_reduction_per_execution(monkey
 def test_uncompiled_models_are_refused_and_compute_loss_overrides_honoured():
     inputs = keras.Input((2,))
     with pytest.raises(tfdist.UserError, match="The model is not compiled"):
-        steps_lib.check_model(keras.Model(inputs, keras.layers.Dense(1)(inputs)), tfdist.UserError)
+        checks.check_model(keras.Model(inputs, keras.layers.Dense(1)(inputs)))
 
     class ComputeLoss(keras.Model):  # Honoured: tfdist calls compute_loss.
         def compute_loss(self, *args, **kwargs):
@@ -85,7 +85,7 @@ def test_uncompiled_models_are_refused_and_compute_loss_overrides_honoured():
 
     fine = ComputeLoss(inputs, keras.layers.Dense(1)(inputs))
     fine.compile(optimizer="sgd", loss="mse")
-    steps_lib.check_model(fine, tfdist.UserError)
+    checks.check_model(fine)
 
 
 # Exact scaling: every part's loss is Keras' one-device loss, scaled by tfdist alone ----------------

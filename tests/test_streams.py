@@ -1,4 +1,4 @@
-"""Streams (tfdist.training.loop, fitting.can_stream): inputs of unknown length read as they come.
+"""Streams (tfdist.training.controller, sources.can_stream): inputs of unknown length read as they come.
 
 A Python generator without steps_per_epoch, and a dataset of unknown length with steps_per_epoch, are read a
 batch at a time on a single-controller backend (as Keras' fit reads them): an epoch ends after steps_per_epoch

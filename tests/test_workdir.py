@@ -22,7 +22,7 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO, run_train, subprocess_env
-from tfdist.training import workdir
+from tfdist.training import checkpoints, workdir
 from tfdist.errors import UserError
 
 
@@ -279,7 +279,7 @@ def test_a_checkpoint_without_seed_state_resumes_with_a_warning(tmp_path, monkey
         return tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step)
 
     with monkeypatch.context() as patch:
-        patch.setattr(workdir, "training_checkpoint", old_layout)
+        patch.setattr(checkpoints, "training_checkpoint", old_layout)
         _fit_random(tmp_path / "w", max_steps=4)
     with caplog.at_level("INFO", logger="absl"):  # absl's own level may be WARNING here.
         _fit_random(tmp_path / "w")

@@ -39,10 +39,14 @@ def __getattr__(name: str) -> Any:
         from tfdist.training.fitting import fit
 
         return fit
-    if name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
+    if name in ("evaluate", "test_on_batch"):
         from tfdist.training import evaluating
 
         return getattr(evaluating, name)
+    if name in ("predict", "predict_on_batch"):
+        from tfdist.training import predicting
+
+        return getattr(predicting, name)
     if name in ("is_chief", "task_path"):
         from tfdist.distribute import tasks
 
@@ -52,7 +56,7 @@ def __getattr__(name: str) -> Any:
 
         return tfdist.layers
     if name == "Preempted":
-        from tfdist.training.loop import Preempted
+        from tfdist.training.preemption import Preempted
 
         return Preempted
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

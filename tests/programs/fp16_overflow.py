@@ -1,4 +1,4 @@
-"""Run by tests/test_loop.py (alone or under tfdist-launch): one float16 step whose global batch
+"""Run by tests/test_controller.py (alone or under tfdist-launch): one float16 step whose global batch
 overflows on one replica only. Prints the loss scale before/after, whether the weights stayed
 put and finite, and a weights hash every worker must share."""
 

@@ -130,20 +130,25 @@ def check_command(command: list[str], num_ps: int) -> None:
         raise UserError("--strategy=parameter_server needs parameter servers: give --num_ps=1 or more.")
 
 
-def main(argv: list[str]) -> int:
-    args, command = parse_args(argv)
-    hosts = read_hosts(args)
-    layout = layout_from(args, hosts)
+def _check_numbers(args: argparse.Namespace, num_workers: int) -> None:
+    """The restart, elastic and port flags' own refusals."""
     if args.restart_workers < 0:
         raise UserError(f"--restart_workers={args.restart_workers} must be 0 or more.")
     if args.max_restarts < 0:
         raise UserError(f"--max_restarts={args.max_restarts} must be 0 or more (0: no restarts).")
-    elastic.validate(layout.num_workers, args.min_workers, num_ps=args.num_ps, max_restarts=args.max_restarts,
+    elastic.validate(num_workers, args.min_workers, num_ps=args.num_ps, max_restarts=args.max_restarts,
                      blacklist_after=args.blacklist_after)
     if args.restart_backoff_s < 0:
         raise UserError(f"--restart_backoff_s={args.restart_backoff_s} must be 0 or more.")
     if args.port is not None and not 0 <= args.port <= 65535:
         raise UserError(f"--port={args.port} must be a port number, 1-65535 (or 0: free ports).")
+
+
+def main(argv: list[str]) -> int:
+    args, command = parse_args(argv)
+    hosts = read_hosts(args)
+    layout = layout_from(args, hosts)
+    _check_numbers(args, layout.num_workers)
     env = task_env(args.env)
     if args.print_tfjob:
         from tfdist.launcher import tfjob

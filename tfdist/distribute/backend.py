@@ -11,12 +11,8 @@ that differ, so the training loop (`tfdist.training`) never branches on the back
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import contextlib
 import dataclasses
-import queue
-import socket
-import threading
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -24,6 +20,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.distribute.cluster import LOCAL, ClusterInfo
+from tfdist.distribute.gradients import compress, decompress, sum_rows
+from tfdist.distribute.runner import Runner, _summaries_as, _summary_state, wait_until_closed
 
 
 def tf_variable(variable: Any) -> Any:
@@ -33,186 +31,12 @@ def tf_variable(variable: Any) -> Any:
     return getattr(variable, "value", variable)
 
 
-def compress(grads: list[Any], dtype: str) -> list[Any]:
-    """Gradients as they travel: cast to `dtype` ("bfloat16" halves the bytes; "float32": unchanged)."""
-    if dtype == "float32":
-        return grads
-
-    def cast(g: Any) -> Any:
-        if isinstance(g, tf.IndexedSlices):
-            return tf.IndexedSlices(tf.cast(g.values, dtype), g.indices, g.dense_shape)
-        return tf.cast(g, dtype) if g.dtype.is_floating else g
-
-    return [cast(g) for g in grads]
-
-
-def decompress(grads: list[Any], like: list[Any]) -> list[Any]:
-    """Casts all-reduced gradients back to the dtypes of `like`."""
-    def cast(g: Any, ref: Any) -> Any:
-        if isinstance(g, tf.IndexedSlices):
-            return tf.IndexedSlices(tf.cast(g.values, ref.dtype), g.indices, g.dense_shape)
-        return tf.cast(g, ref.dtype)
-
-    return [cast(g, r) for g, r in zip(grads, like)]
-
-
-class Runner:
-    """Runs submitted calls in order on one daemon thread; `submit` returns a `concurrent.futures.Future`.
-
-    Unlike `concurrent.futures.ThreadPoolExecutor`, whose threads are joined at
-    exit without a limit, `close` (also run at exit) waits a bounded time: a
-    worker whose execution failed exits (so the job fails) even if the execution
-    queued behind it waits in a collective whose partners will never come.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="tfdist-steps", daemon=True)
-        self._thread.start()
-        atexit.register(self.close)
-
-    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
-        if self._closed:
-            raise RuntimeError("This backend's runner was shut down; make a new strategy to train again.")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # Delivered to whoever fetches it.
-                future.set_exception(e)
-
-    def close(self, timeout_s: float = 30.0) -> bool:
-        """Ends the thread once the calls already submitted are done (or cancelled); True if it has ended.
-
-        Waits up to `timeout_s` for it: a thread still inside TensorFlow while the
-        interpreter shuts down aborts the process. One stuck longer (in a collective
-        whose partners are gone) is left behind rather than hanging the caller; the
-        exit hook then waits for it once more.
-        """
-        if not self._closed:
-            self._closed = True
-            self._queue.put(None)
-        if threading.current_thread() is self._thread:
-            return False
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            return False
-        atexit.unregister(self.close)
-        return True
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-
-def wait_until_closed(addresses: Sequence[str], timeout_s: float, poll_s: float = 0.1) -> list[str]:
-    """Waits until no process listens at any of `addresses` ("host:port"); returns those still listening.
-
-    A TensorFlow server listens until its process has exited, so this is how a
-    task learns that the others have gone.
-    """
-    deadline = time.monotonic() + timeout_s
-    waiting = list(addresses)
-    while waiting:
-        still = []
-        for address in waiting:
-            host, _, port = address.rpartition(":")
-            try:
-                with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                    still.append(address)
-            except ConnectionRefusedError:
-                pass  # Nothing listens there any more: that task has exited.
-            except ValueError:
-                pass  # Not a host:port address: nothing to wait for.
-            except OSError:
-                still.append(address)  # Unreachable or slow: keep asking until the deadline.
-        waiting = still
-        if not waiting or time.monotonic() >= deadline:
-            break
-        time.sleep(poll_s)
-    return waiting
-
-
 # How long the coordination-service leader waits at exit for the other tasks to exit.
 LEADER_EXIT_WAIT_S = 60.0
 # How long a task of a synchronous multi-worker job waits at exit for the others to finish their work.
 PEER_EXIT_WAIT_S = 600.0
 EXIT_BARRIER = "tfdist_exit"
 _LEAVING_LAST: list[str] = []  # Labels of backends whose exit hook is registered (one per process).
-
-
-_SUMMARY_FIELDS = ("writer", "step", "is_recording", "is_recording_distribution_strategy")
-
-
-def _summary_state() -> dict:
-    """This thread's tf.summary defaults (writer, step, recording condition)."""
-    from tensorflow.python.ops import summary_ops_v2
-
-    return {name: getattr(summary_ops_v2._summary_state, name, None) for name in _SUMMARY_FIELDS}
-
-
-@contextlib.contextmanager
-def _summaries_as(state: dict) -> Any:
-    """Another thread's tf.summary defaults, in this thread for the duration."""
-    from tensorflow.python.ops import summary_ops_v2
-
-    previous = _summary_state()
-    for name, value in state.items():
-        setattr(summary_ops_v2._summary_state, name, value)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            setattr(summary_ops_v2._summary_state, name, value)
-
-
-def unique_rows(grad: tf.IndexedSlices) -> tf.IndexedSlices:
-    """Each row once, its occurrences summed (as one device's sparse-input kernel gradient holds them)."""
-    rows, position = tf.unique(grad.indices)
-    values = tf.math.unsorted_segment_sum(grad.values, position, tf.size(rows))
-    return tf.IndexedSlices(values, rows, grad.dense_shape)
-
-
-def sum_rows(grad: tf.IndexedSlices, context: Any, backend: "Backend") -> tf.IndexedSlices:
-    """The sum over every replica of row gradients whose number of rows differs by replica, as unique rows.
-
-    Each replica places its rows, padded to the largest count, in its own slot of a zero buffer, and the
-    buffers are summed across the replicas (of one shape on every member; counts first, the same way): every
-    replica's rows, on every replica, then merged. The same rows and values everywhere: one device's gradient
-    of the global batch. Parameter-server workers apply their own. The shapes vary by step: where the
-    all-reduce cannot take that within an execution (`Backend.varying_shapes`), only one-step executions use it.
-    """
-    if context is None or backend.num_replicas == 1 or backend.asynchronous:
-        return unique_rows(grad)
-    replicas, me = backend.num_replicas, tf.cast(context.replica_id_in_sync_group, tf.int64)
-
-    def gathered(rows: tf.Tensor, slot: tf.Tensor) -> tf.Tensor:  # [replicas * slot, ...]: each replica's rows.
-        inner = tf.shape(rows, out_type=tf.int64)[1:]
-        padded = tf.concat([rows, tf.zeros(tf.concat([[slot - tf.shape(rows, out_type=tf.int64)[0]], inner], 0),
-                                           rows.dtype)], 0)
-        placed = tf.concat([tf.zeros(tf.concat([[me * slot], inner], 0), rows.dtype), padded,
-                            tf.zeros(tf.concat([[(replicas - 1 - me) * slot], inner], 0), rows.dtype)], 0)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, placed)
-
-    count = tf.shape(grad.indices, out_type=tf.int64)[0]
-    counts = gathered(tf.reshape(count, [1]), tf.constant(1, tf.int64))
-    largest = tf.reduce_max(counts)
-    indices = gathered(tf.cast(grad.indices, tf.int64) + 1, largest) - 1  # Padding: -1.
-    values = gathered(grad.values, largest)
-    real = indices >= 0
-    return unique_rows(tf.IndexedSlices(tf.boolean_mask(values, real), tf.boolean_mask(indices, real),
-                                        grad.dense_shape))
 
 
 @dataclasses.dataclass

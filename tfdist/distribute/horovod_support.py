@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfdist.distribute.backend import Backend, compress, decompress, tf_variable
+from tfdist.distribute.backend import Backend, tf_variable
+from tfdist.distribute.gradients import compress, decompress
 from tfdist.errors import UserError
 
 INSTALL_HINT = (

@@ -16,14 +16,9 @@ environment: each child gets its own copy.
 from __future__ import annotations
 
 import collections
-import ctypes
-import dataclasses
-import fcntl
 import json
 import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -33,170 +28,15 @@ from typing import Optional, Sequence, TextIO
 from tfdist.launcher import elastic
 from tfdist.launcher import hosts as hosts_lib
 from tfdist.errors import UserError, one_paragraph
+from tfdist.launcher.chief_led import ChiefLedWaiting
+from tfdist.launcher.layout import ClusterLayout, cluster_spec, free_ports, isolate_network, tf_config
 from tfdist.launcher.ssh import HostUnreachable, SshConfig
+from tfdist.launcher.tasks import _Task
+
+__all__ = ["ClusterLayout", "HostUnreachable", "Launcher", "cluster_spec", "free_ports", "isolate_network", "tf_config"]
 
 
-@dataclasses.dataclass(frozen=True)
-class ClusterLayout:
-    """How many tasks of each role a job has."""
-
-    num_workers: int
-    num_ps: int = 0
-    chief: bool = False  # A separate chief task (parameter-server jobs need one).
-
-    def validate(self) -> "ClusterLayout":
-        if self.num_workers < 1:
-            raise UserError(f"--num_workers={self.num_workers} must be 1 or more.")
-        if self.num_ps < 0:
-            raise UserError(f"--num_ps={self.num_ps} must be 0 or more.")
-        return self
-
-    def roles(self) -> list[tuple[str, int]]:
-        """Every task as (role, index), chief first, then workers, then ps."""
-        tasks = [("chief", 0)] if self.chief else []
-        tasks += [("worker", i) for i in range(self.num_workers)]
-        tasks += [("ps", i) for i in range(self.num_ps)]
-        return tasks
-
-
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
-_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
-
-
-def isolate_network() -> None:
-    """Moves this process (and so every task it starts) into a private network namespace.
-
-    TensorFlow's gRPC servers listen on every interface whatever address
-    TF_CONFIG gives them; inside a private namespace the only interface is
-    this job's own loopback, so no other machine (and no other process on
-    this one) can reach the tasks' ports. Must run before any thread starts.
-    Raises OSError when the kernel or sandbox does not allow it.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    uid, gid = os.getuid(), os.getgid()
-    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
-    if libc.unshare(flags) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"unshare: {os.strerror(code)}")
-    if flags & _CLONE_NEWUSER:  # Keep the same identity inside the new user namespace.
-        for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
-                           ("/proc/self/gid_map", f"{gid} {gid} 1")):
-            try:
-                with open(path, "w") as f:
-                    f.write(text)
-            except FileNotFoundError:
-                if path != "/proc/self/setgroups":
-                    raise
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # Bring the new loopback up.
-        request = struct.pack("16sH14x", b"lo", 0)
-        current = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
-        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", current | _IFF_UP))
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports that were free on `host` a moment ago (all held open until all are chosen)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def cluster_spec(layout: ClusterLayout, addresses: Sequence[str]) -> dict[str, list[str]]:
-    """Assigns `addresses` (one per task, in `layout.roles()` order) to roles."""
-    roles = layout.roles()
-    if len(addresses) != len(roles):
-        raise UserError(
-            f"{len(addresses)} address(es) given for {len(roles)} task(s) "
-            f"({', '.join(f'{r}:{i}' for r, i in roles)}); give exactly one host:port per task."
-        )
-    cluster: dict[str, list[str]] = {}
-    for (role, _), address in zip(roles, addresses):
-        cluster.setdefault(role, []).append(address)
-    return cluster
-
-
-def tf_config(cluster: dict[str, list[str]], role: str, index: int) -> str:
-    """The TF_CONFIG value of task `role`:`index` in `cluster`."""
-    return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}, separators=(",", ":"))
-
-
-@dataclasses.dataclass(eq=False)  # Compared and hashed by identity: a restarted task is a new one.
-class _Task:
-    role: str
-    index: int
-    process: subprocess.Popen
-    tail: collections.deque
-    reader: threading.Thread
-    host: Optional[str] = None  # Set when the task runs on another host, through ssh.
-    ended: Optional[float] = None  # When the launcher saw it exit before stopping the job (it ended on its own).
-    unanswered: bool = False  # Still running when the grace period after SIGTERM ran out (needed SIGKILL).
-
-    @property
-    def label(self) -> str:
-        return f"{self.role}:{self.index}"
-
-    @property
-    def killed(self) -> bool:
-        """Whether it died of a signal (over ssh: the remote watchdog's 128+signal status)."""
-        code = self.process.returncode
-        return code is not None and (code < 0 or (self.host is not None and 128 < code < 128 + 65))
-
-    def describe(self) -> str:
-        code = self.process.returncode
-        if self.host is not None and code == 255:
-            return f"lost its SSH connection to {self.host} (ssh exited with status 255)"
-        if self.host is None or not self.killed:
-            return describe_status(code) + (f" on {self.host}" if self.host else "")
-        return f"{describe_status(128 - code)} on {self.host}"
-
-    def send(self, sig: int) -> None:
-        """SIGTERM/SIGKILL to the task: its process group here, or through its SSH session's watchdog."""
-        if self.process.poll() is not None:
-            return
-        if self.host is None:
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                pass
-            return
-        try:
-            self.process.stdin.write("KILL\n" if sig == signal.SIGKILL else "TERM\n")
-            self.process.stdin.flush()
-            if sig == signal.SIGKILL:
-                self.process.stdin.close()  # End of file: the watchdog kills the task's group.
-        except (BrokenPipeError, OSError, ValueError):
-            pass
-
-    def reap(self, timeout: float = 10.0) -> None:
-        """Waits for the process; an ssh client that does not end by itself is killed."""
-        try:
-            self.process.wait(timeout=timeout if self.host else None)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
-        self.reader.join(timeout=5)
-
-
-def describe_status(code: int) -> str:
-    """"exited with status N" or "was killed by SIGNAME" for a Popen returncode."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-class Launcher:
+class Launcher(ChiefLedWaiting):
     """Runs `command` once per task of `layout` and supervises the processes."""
 
     def __init__(
@@ -436,73 +276,6 @@ class Launcher:
             if marked:
                 return marked[0]
         return own[0]
-
-    def _wait_chief_led(self) -> int:
-        """Parameter-server jobs: the chief's outcome is the job's.
-
-        A worker that dies is reported (and restarted up to --restart_workers
-        times); training carries on without it. A parameter server that dies
-        should make the chief fail; if the chief is still running
-        `ps_loss_timeout_s` later, the launcher stops the job itself.
-        """
-        chief = next(t for t in self.tasks if t.role == "chief")
-        reported: set[_Task] = set()
-        ps_lost: Optional[tuple[_Task, float]] = None
-        while chief.process.poll() is None:
-            for i, task in enumerate(self.tasks):
-                if task is chief or task.process.poll() is None or task in reported:
-                    continue
-                reported.add(task)
-                code = task.process.returncode
-                if task.role == "worker" and self._signal is None:
-                    restarts = self.restarts.get(task.label, 0)
-                    if restarts < self.restart_workers:
-                        self.restarts[task.label] = restarts + 1
-                        self._print(f"tfdist-launch: {task.label} {task.describe()}; restarting it "
-                                    f"({restarts + 1} of {self.restart_workers}).\n")
-                        task.reader.join(timeout=5)
-                        self.tasks[i] = self._spawn(task.role, task.index, task.host)
-                    else:
-                        self._print(f"tfdist-launch: {task.label} {task.describe()}; the chief carries on "
-                                    "with the other workers.\n")
-                elif task.role == "ps" and code != 0 and ps_lost is None:
-                    self._print(f"tfdist-launch: {task.label} {task.describe()}; the chief should now fail "
-                                "(a parameter server holds part of the model).\n")
-                    ps_lost = (task, time.time())
-            if ps_lost and time.time() - ps_lost[1] > self.ps_loss_timeout_s:
-                self._print(f"tfdist-launch: the chief did not stop within {self.ps_loss_timeout_s:.0f} s of losing "
-                            f"{ps_lost[0].label}; stopping the job.\n")
-                self._stop_all()
-                return self._report(ps_lost[0], " (the job was stopped)")
-            time.sleep(0.1)
-        # The chief has finished: the others leave on their own within seconds.
-        self._wait_all(self.grace_s)
-        stragglers = [t.label for t in self.tasks if t.process.poll() is None]
-        self._stop_all()
-        if chief.process.returncode != 0:
-            return self._report(chief, "")
-        self._print(f"tfdist-launch: the chief finished; job done{self._aftermath(reported, stragglers)}.\n")
-        return 0
-
-    def _aftermath(self, reported: set[_Task], stragglers: list[str]) -> str:
-        """What the other tasks did, for the closing line: "" when every one left cleanly after the chief.
-
-        "Lost along the way" are the workers that ended with an error while the chief trained (and were
-        not restarted); a task that failed or had to be stopped only after the chief finished is named
-        apart, since the training itself did not miss it.
-        """
-        lost = [t.label for t in self.tasks if t in reported and t.role == "worker" and t.process.returncode != 0]
-        late = [f"{t.label} {t.describe()}" for t in self.tasks
-                if t.role != "chief" and t not in reported and t.label not in stragglers
-                and t.process.returncode != 0]
-        notes = []
-        if lost:
-            notes.append("lost along the way: " + ", ".join(lost))
-        if late:
-            notes.append("after the chief finished, " + ", ".join(late))
-        if stragglers:
-            notes.append(f"stopped {', '.join(stragglers)}, still running {self.grace_s:g} s after the chief finished")
-        return f" ({'; '.join(notes)})" if notes else ""
 
     def _start(self) -> None:
         """Starts the tasks; an elastic job drops the hosts that do not answer and starts on the rest."""

@@ -25,8 +25,8 @@ from tfdist.distribute import strategies
 from tfdist.training import workdir as workdir_lib
 from tfdist.distribute.backend import Backend
 from tfdist.mnist.config import TrainConfig
-from tfdist.training.fitting import fit
-from tfdist.training.loop import Preempted
+from tfdist.training.fitting import train as fit_and_report
+from tfdist.training.preemption import Preempted
 
 __all__ = ["train_and_evaluate", "Preempted", "fingerprint_of"]
 
@@ -92,7 +92,6 @@ def _run(config: TrainConfig, backend: Backend, digits: Optional[data.Digits], s
 def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: batching.BatchPlan,
            choice: precision.PrecisionChoice, rundir: workdir_lib.RunDir, start: float) -> dict[str, Any]:
     model, step = _compile(config, plan, backend)
-    report: dict[str, Any] = {}
     if digits.train_stream is not None:  # Read from files by each input pipeline: fit's dataset-function path.
         # Parameter-server workers take steps as they become free: each reads in an unseeded order of its own.
         seed = config.seed if backend.sharded_input else None
@@ -101,8 +100,12 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
     else:
         # tfdist-train's plan trains whole global batches (batching.BatchPlan), on every backend alike.
         x, y, steps_per_epoch = digits.train_images, digits.train_labels, plan.steps_per_epoch
-    fit(model, x, y, batch_size=plan.global_batch, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
+    result = fit_and_report(
+        model, x, y, batch_size=plan.global_batch, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
         validation_data=(digits.eval_images, digits.eval_labels), workdir=rundir, strategy=backend.public_strategy,
+        # Each replica evaluates whole batches of validation_batch_size (Keras' rule): the per-replica batch, at
+        # least 64, keeps evaluation's memory near training's (accuracy and this loss do not depend on it).
+        validation_batch_size=max(plan.per_replica_batch, 64),
         drop_remainder=True,  # Whole global batches a pass: each epoch a new permutation's (batching.BatchPlan).
         steps_per_execution=plan.steps_per_execution, grad_accum_steps=plan.grad_accum_steps, seed=config.seed,
         max_steps=config.max_steps, checkpoint_every_steps=config.checkpoint_every_steps,
@@ -112,9 +115,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         summary_every_steps=config.summary_every_steps, profile_steps=config.profile_range(),
         export=config.export_formats(), callbacks=[_WriteConfig(rundir, config)],
         plan_extra={"dataset": digits.name, "learning_rate": plan.learning_rate, "lr_schedule": config.lr_schedule, "optimizer": config.optimizer,
-                    "warmup_steps": plan.warmup_steps, "precision": choice.policy},
-        _report=report)
-    result = report["result"]
+                    "warmup_steps": plan.warmup_steps, "precision": choice.policy})
     fingerprint = fingerprint_of(model, backend)
     optimizer = model.optimizer
     metrics = {

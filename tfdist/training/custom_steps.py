@@ -1,42 +1,14 @@
-"""Models that override ``train_step`` or ``test_step``: the user's own step, on every backend.
+"""Models that override ``train_step`` or ``test_step``: the user's own step, on every backend
+(docs/training.md, "train_step/test_step overrides").
 
-Keras 3's ``fit`` calls a custom ``train_step`` once per replica and leaves the
-distribution to it: under tf.distribute the optimizer sums the gradients it is
-given across replicas, which is right only for losses that went through
-Keras' own per-replica scaling (``compute_loss``); a loss the step computes
-itself then trains with N times the gradient (keras-team/keras#19308), and
-Horovod's or parameter-server workers are not seen at all. tfdist runs the
-user's step per replica inside its own execution (`tfdist.training.steps`)
-and changes three things while that step is being traced, all undone before
-the trace returns (`tfdist.training.keras_hooks`):
-
-- Keras sees one replica (``one_replica_losses``): every loss the step
-  computes, through ``compute_loss`` or its own, is the one-device loss of the
-  replica's batch.
-- ``apply`` of every optimizer the model holds (`optimizers_of`: ``model.
-  optimizer`` and any optimizer attribute, as a GAN's ``d_optimizer`` and
-  ``g_optimizer``) receives the *global-batch* gradients: each replica's
-  gradients weighted by its share of the step's examples, ``n_r / N``, and
-  summed across replicas and workers before the optimizer, its ``clipnorm``
-  and a loss-scale finite check see them (`GlobalGradients`). For a step whose
-  loss is a mean over its batch (Keras' losses by default) this is the
-  one-device gradient of the global batch, whatever the replica count.
-- Keras' own cross-replica sum inside the optimizer is the identity
-  (``no_gradient_sum``), as for tfdist's built-in step.
-
-The logs the step returns reach History and callbacks under the same keys.
-A key that is the name of one of ``model.metrics``' results gets that result
-from the metrics' state summed over every replica and step of the epoch (what
-Keras' ``fit`` reports at an epoch's end); any other value is the last step's,
-averaged over the replicas weighted by their examples (exact for a batch mean).
-
-Before any step, `probe` traces the step once on a symbolic batch (nothing
-runs): it builds every optimizer under the strategy's scope (Keras builds an
-unbuilt one inside the step, where a compiled or scheduled function cannot
-create variables), learns the log keys, and refuses what cannot be honoured
-with a `UserError`: variables the step itself creates, ``optimizer.apply`` on
-variables from outside the strategy's scope, and log values that are not
-scalars.
+tfdist runs the user's step per replica inside its own execution and, while it is traced
+(`tfdist.training.keras_hooks`, undone before the trace returns): Keras sees one replica
+(``one_replica_losses``); every optimizer the model holds (`optimizers_of`) receives the global batch's
+gradients, summed across replicas before it, its clipping and a loss-scale finite check see them
+(`GlobalGradients`); Keras' own cross-replica sum is the identity. The step's logs reach History under the
+same keys: a metric's result from the state summed over the epoch, any other value the last step's. `probe`
+traces the step once before any step: it builds the optimizers, learns the log keys, and refuses (`UserError`)
+what cannot be honoured. The step bodies `StepFunctions` runs for such models are at the end of this file.
 """
 
 from __future__ import annotations
@@ -53,6 +25,8 @@ from keras.src import backend as keras_backend
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
 from tfdist.training import keras_hooks
+from tfdist.training.layer_state import RecordingScope, write_state
+from tfdist.training.metric_state import flatten_logs
 
 
 def overrides(model: keras.Model, name: str) -> bool:
@@ -109,10 +83,9 @@ class _Unbuilt(Exception):
 class GlobalGradients:
     """Hooks each optimizer's ``apply`` so the gradients it receives are the global batch's."""
 
-    def __init__(self, optimizers: Sequence[Any], backend: Backend, *, error: Callable[[str], Exception]):
+    def __init__(self, optimizers: Sequence[Any], backend: Backend):
         self.optimizers = list(optimizers)
         self.backend = backend
-        self.error = error
         self.state = _StepState()
         self.unbuilt: list = []  # (optimizer, variables) found unbuilt by `probe` (any thread).
         self.refused: list = []  # UserErrors raised inside a trace (autograph rewraps them; `probe` re-raises).
@@ -186,7 +159,7 @@ class GlobalGradients:
             return
         for variable in variables:
             if not extended.variable_created_in_scope(tf_variable(variable)):
-                self.refused.append(self.error(
+                self.refused.append(UserError(
                     f"The custom train_step calls {type(opt).__name__}.apply on variable "
                     f"{getattr(variable, 'path', variable.name)}, which was not created under the strategy's scope; "
                     "its updates could not reach the other replicas. Create every layer and variable the step "
@@ -213,39 +186,6 @@ class GlobalGradients:
         return reduced
 
 
-class LogLayout:
-    """The tail of the totals vector that holds the last step's non-metric logs (weighted by examples).
-
-    Slot 0 is the step's examples on this replica; slot 1+i is log i times them.
-    Each step replaces the tail (Keras reports a custom step's last logs).
-    """
-
-    def __init__(self, keys: Sequence[str]):
-        self.keys = list(keys)
-        self.size = 1 + len(self.keys)
-
-    def pack(self, examples: tf.Tensor, logs: dict) -> tf.Tensor:
-        n = tf.cast(examples, tf.float32)
-        logs = flatten_logs(logs)
-        values = [tf.where(n > 0, tf.reshape(tf.cast(logs[k], tf.float32), []) * n, 0.0) for k in self.keys]
-        return tf.stack([n] + values)
-
-    def results(self, tail: np.ndarray) -> dict[str, float]:
-        n = float(tail[0])
-        return {k: (float(tail[1 + i]) / n if n else float("nan")) for i, k in enumerate(self.keys)}
-
-
-def flatten_logs(logs: dict) -> dict:
-    """Nested dicts of logs (``CompileMetrics.result()``) flattened into one, sorted, as Keras' fit does."""
-    flat: dict = {}
-    for key, value in sorted(logs.items()):
-        if isinstance(value, dict):
-            flat.update(flatten_logs(value))
-        else:
-            flat[str(key)] = value
-    return flat
-
-
 def _symbolic_spec(example: Any) -> Any:
     def spec(value: Any) -> Any:
         if value is None:
@@ -258,8 +198,7 @@ def _symbolic_spec(example: Any) -> Any:
     return tf.nest.map_structure(spec, example)
 
 
-def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: GlobalGradients,
-          error: Callable[[str], Exception]) -> list[str]:
+def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: GlobalGradients) -> list[str]:
     """Traces the user's ``name`` step once on a symbolic batch; returns its log keys (checks, module docstring).
 
     ``example``: the element structure the step gets (`keras_data`), arrays or
@@ -274,7 +213,7 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
     refused: list[Exception] = []  # Raised inside the trace, where autograph would rewrap them.
 
     def refuse(message: str) -> Exception:
-        refused.append(error(message))
+        refused.append(UserError(message))
         return refused[-1]
 
     def record(next_creator: Callable, **kwargs: Any) -> Any:
@@ -283,18 +222,6 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
         created.append(variable)
         return variable
 
-    def foreign_error(names: Sequence[str]) -> Exception:
-        return error(
-            f"{type(model).__name__}.{name}() creates variables that are not the model's, its metrics' or its "
-            f"optimizers' ({', '.join(sorted(set(names))[:3])}); a distributed step cannot keep such state in "
-            "step on every replica. Create them in __init__ (or build()) under the strategy's scope, as layer or "
-            "model weights (self.add_weight), and only use them in the step.")
-
-    def known_names() -> set:
-        every = list(model.variables) + [v for m in model.metrics for v in m.variables] + \
-            [v for opt in optimizers_of(model) for v in opt.variables]
-        return {tf_variable(v).name.split(":")[0].split("/")[-1] for v in every} | {v.name for v in every}
-
     def replica(data: Any) -> Any:
         hooks.state.checking = True
         try:
@@ -302,18 +229,7 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
                 logs = step(data)
         finally:
             hooks.state.checking = False
-        if not isinstance(logs, dict):
-            raise refuse(f"{type(model).__name__}.{name}() returned {type(logs).__name__}, not a dict of logs; "
-                        "return a dict such as {m.name: m.result() for m in self.metrics}, as Keras expects.")
-        for key, value in flatten_logs(logs).items():
-            shape = getattr(value, "shape", ())
-            if shape is not None and len(shape) > 0 and int(np.prod([d if d is not None else 2 for d in shape])) != 1:
-                raise refuse(
-                    f"{type(model).__name__}.{name}() returns the log {key!r} with shape {tuple(shape)}; every log "
-                    "value must be a scalar (tfdist averages it over the replicas and shows it in History). "
-                    "Reduce it in the step (e.g. keras.ops.mean) or track it with a keras.metrics.Mean.")
-            if str(key) not in keys:
-                keys.append(str(key))
+        keys.extend(k for k in _log_keys(model, name, logs, refuse) if k not in keys)
         return tf.constant(0)
 
     def traced(data: Any) -> Any:
@@ -330,18 +246,13 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
             except Exception as e:
                 if refused or hooks.refused:
                     raise (refused + hooks.refused)[0] from None
-                strangers = [n for n in attempted if n not in known_names()]
+                strangers = [n for n in attempted if n not in _known_names(model)]
                 if strangers and not hooks.unbuilt:  # Under a strategy the creation itself may fail.
-                    raise foreign_error(strangers) from None
+                    raise _foreign(model, name, strangers) from None
                 if not hooks.unbuilt:
-                    raise error(f"{type(model).__name__}.{name}() failed on a batch of this input: "
-                                f"{type(e).__name__}: {' '.join(str(e).split())[:400]}") from None
-                # Keras builds an optimizer at its first apply; a replica step cannot create its variables.
-                for opt, variables in hooks.unbuilt:
-                    if not opt.built:
-                        with keras_backend.name_scope(opt.name, caller=opt):  # As Keras' own apply builds it.
-                            opt.build(variables)
-                        opt.built = True
+                    raise UserError(f"{type(model).__name__}.{name}() failed on a batch of this input: "
+                                    f"{type(e).__name__}: {' '.join(str(e).split())[:400]}") from None
+                _build_optimizers(hooks.unbuilt)
                 continue
             break
     # Layers built on first use and optimizers built by their first apply are the model's own state.
@@ -349,10 +260,131 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
              + [v for opt in optimizers_of(model) for v in opt.variables]}
     foreign = [v for v in created if id(v) not in known]
     if foreign:
-        raise foreign_error([v.name.split(":")[0] for v in foreign])
+        raise _foreign(model, name, [v.name.split(":")[0] for v in foreign])
     return keys
+
+
+def _log_keys(model: keras.Model, name: str, logs: Any, refuse: Callable[[str], Exception]) -> list[str]:
+    """The keys of the logs a custom step returned: a dict of scalars (else refused)."""
+    if not isinstance(logs, dict):
+        raise refuse(f"{type(model).__name__}.{name}() returned {type(logs).__name__}, not a dict of logs; "
+                     "return a dict such as {m.name: m.result() for m in self.metrics}, as Keras expects.")
+    keys = []
+    for key, value in flatten_logs(logs).items():
+        shape = getattr(value, "shape", ())
+        if shape is not None and len(shape) > 0 and int(np.prod([d if d is not None else 2 for d in shape])) != 1:
+            raise refuse(
+                f"{type(model).__name__}.{name}() returns the log {key!r} with shape {tuple(shape)}; every log "
+                "value must be a scalar (tfdist averages it over the replicas and shows it in History). "
+                "Reduce it in the step (e.g. keras.ops.mean) or track it with a keras.metrics.Mean.")
+        keys.append(str(key))
+    return keys
+
+
+def _build_optimizers(unbuilt: list) -> None:
+    """Keras builds an optimizer at its first apply; a replica step cannot create its variables."""
+    for opt, variables in unbuilt:
+        if not opt.built:
+            with keras_backend.name_scope(opt.name, caller=opt):  # As Keras' own apply builds it.
+                opt.build(variables)
+            opt.built = True
+
+
+def _known_names(model: keras.Model) -> set:
+    every = list(model.variables) + [v for m in model.metrics for v in m.variables] + \
+        [v for opt in optimizers_of(model) for v in opt.variables]
+    return {tf_variable(v).name.split(":")[0].split("/")[-1] for v in every} | {v.name for v in every}
+
+
+def _foreign(model: keras.Model, name: str, names: Sequence[str]) -> Exception:
+    return UserError(
+        f"{type(model).__name__}.{name}() creates variables that are not the model's, its metrics' or its "
+        f"optimizers' ({', '.join(sorted(set(names))[:3])}); a distributed step cannot keep such state in "
+        "step on every replica. Create them in __init__ (or build()) under the strategy's scope, as layer or "
+        "model weights (self.add_weight), and only use them in the step.")
 
 
 def has_call(model: keras.Model) -> bool:
     """Whether the model implements ``call`` (a GAN wrapping two models often does not)."""
     return type(model).call not in (keras.Model.call, keras.layers.Layer.call)
+
+
+# The step bodies (`StepFunctions` calls them for a model with its own train_step/test_step) ----------
+def train_step(functions: Any, element: Any, stop: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
+    """The user's ``train_step`` on this replica's batch, with global-batch gradients (`custom_steps`)."""
+    layout = functions.layout
+    if functions.partial_last:
+        *element, total = element  # The step's global example count (`inputs.train_arrays_fn`).
+        element = tuple(element)
+    data = keras_data(element)
+    examples = batch_size(data)
+    if not functions.partial_last:
+        total = examples * functions.backend.num_replicas  # Every replica holds the same number of examples.
+    with functions.gradients.replica_step(examples, total), keras_hooks.one_replica_losses(), \
+            keras_hooks.synchronized_moments(functions.backend.replica_sum()):
+        if functions.backend.asynchronous:
+            logs, deltas = _asynchronous_step(functions, data)
+        else:
+            state = [tf_variable(v) for v in layout.variables]
+            before = [v.read_value() for v in state]
+            logs = functions.model.train_step(data)
+            deltas = [v.read_value() - b for v, b in zip(state, before)]
+        claimed = functions.gradients.state.claimed
+        if functions.backend.asynchronous and claimed is None:
+            claimed = functions.backend.claim()  # A step that applied nothing still uses up its claim.
+        functions.backend.when_claimed(claimed, lambda: functions.step_counter.assign_add(1))
+    if functions.partial_last:  # A replica with no example adds nothing (refused in fit; kept exact here).
+        deltas = [tf.where(examples > 0, d, tf.zeros_like(d)) for d in deltas]
+    nonfinite = 1.0 - tf.cast(functions.gradients.all_finite(), tf.float32)
+    share = nonfinite / float(functions.backend.num_replicas)
+    tail = layout.logs.pack(examples, logs) if layout.logs is not None else None
+    return layout.add_step(totals, [examples, share, stop], deltas, tail)
+
+
+def _asynchronous_step(functions: Any, data: Any) -> tuple:
+    """The user's step where workers share the variables (parameter servers); returns (logs, metric deltas).
+
+    Other workers update the same metric variables concurrently, so their before/after
+    difference is not this step's: the step runs in a `StatelessScope` that starts the
+    metrics from zero (their values at the end are this step's contribution) and records
+    the other state it writes (BatchNormalization statistics, seed generators), written
+    back as increments (`write_state`). The optimizers' updates and step counters go to
+    the variables directly (Keras' TensorFlow optimizer assigns them outside the scope).
+    """
+    model, layout = functions.model, functions.layout
+    zeros = layout.zeros()
+    metric_ids = {id(v) for v in layout.variables}
+    others = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables if id(v) not in metric_ids]
+    weights = [(v, v.value) for v in model.trainable_variables]
+    scope = RecordingScope(weights + others + list(zip(layout.variables, zeros)))
+    with scope:
+        logs = model.train_step(data)
+    deltas = [zero if scope.get_current_value(v) is None else scope.get_current_value(v)
+              for v, zero in zip(layout.variables, zeros)]
+    for key in metric_ids:
+        scope.updated.pop(key, None)
+    write_state(scope, {id(v): value for v, value in others}, atomic=True)
+    functions.updated_state.update(scope.updated)
+    return logs, deltas
+
+
+def eval_step(functions: Any, element: tuple, mask: tf.Tensor, totals: tf.Tensor) -> tf.Tensor:
+    layout = functions.eval_layout
+
+    def update() -> tf.Tensor:
+        data = keras_data(element)
+        state = [tf_variable(v) for v in layout.variables]
+        before = [v.read_value() for v in state]
+        with keras_hooks.one_replica_losses():
+            logs = functions.model.test_step(data)
+        deltas = [v.read_value() - b for v, b in zip(state, before)]
+        examples = tf.reduce_sum(mask)
+        tail = layout.logs.pack(examples, logs) if layout.logs is not None else None
+        return layout.add_step(totals, [examples, 0.0, 0.0], deltas, tail)
+
+    return tf.cond(tf.size(mask) > 0, update, lambda: totals)
+
+
+def optimizer_variables(model: keras.Model) -> list:
+    """The variables of every optimizer the model holds (a custom step's several included)."""
+    return [v for opt in optimizers_of(model) for v in opt.variables]

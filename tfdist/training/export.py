@@ -23,7 +23,7 @@ import posixpath
 import re
 import shutil
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -171,3 +171,24 @@ def export_saved_model(model: keras.Model, path: str) -> str:
         if os.path.exists(staging):
             shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def write_exports(rundir: Any, model: Any, export: Sequence[str], result: Any, latest: Optional[str]) -> None:
+    """Writes the exports; one that fails raises `ExportError` with the History on it (checkpoints are kept)."""
+    from tfdist.training import workdir as workdir_lib
+
+    for name, write in (("keras", rundir.export_model), ("saved_model", rundir.export_saved_model)):
+        if name not in export:
+            continue
+        try:
+            write(model)
+        except Exception as e:  # noqa: BLE001 - any failure: keep the History, say what failed.
+            cause = str(e) if isinstance(e, workdir_lib.WriteError) else \
+                f"{type(e).__name__}: {first_sentence(e)}"
+            kept = (f"checkpoint {os.path.basename(latest)} in {os.path.dirname(latest)} holds the trained model"
+                    if latest else "no checkpoint was written")
+            raise ExportError(
+                f"Training finished at step {result.steps} and {kept}, but the {name} export failed: {cause} The "
+                "History is on model.history and on this error's .history. Fix the cause and rerun the same call "
+                "(it resumes at the last checkpoint and exports again), or pass export=() to skip the export.",
+                history=result.history) from e

@@ -61,7 +61,6 @@ class Prepared:
     sample_weight: Any
     validation_data: Any
     batch_size: Optional[int]
-    kind: str  # "arrays", "dataset", "dataset_fn", "py_dataset" or "generator": what the user passed.
     examples: Optional[int] = None  # A finite PyDataset: the examples of one pass (its last batch may be short).
     one_pass: bool = False  # A generator read once: one epoch is trained (Keras' 'ran out of data').
 
@@ -287,7 +286,7 @@ def _refuse_y(what: str, y: Any, sample_weight: Any) -> None:
 
 def limit_validation(data: Any, steps: Optional[int]) -> Any:
     """`validation_steps` for a dataset, PyDataset or generator: its first `steps` batches, as Keras evaluates
-    them (an endless one included); a generator without it is read once. Arrays are cut in `fitting`."""
+    them (an endless one included); a generator without it is read once. Arrays are cut in `held_out.validation`."""
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
         raise UserError(f"validation_steps={steps!r} must be a positive number of batches, or None (all of "
                         "validation_data).")
@@ -343,17 +342,17 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
                 validation_data = validation_data[:2]
         if class_weight is not None:
             sample_weight = class_weighted(y, sample_weight, class_weight)
-        return Prepared(x, y, sample_weight, validation_data, batch_size, kind)
+        return Prepared(x, y, sample_weight, validation_data, batch_size)
     if kind == "dataset":
         if shuffle:
-            warnings.warn(DATASET_SHUFFLE_WARNING, stacklevel=3)
+            warnings.warn(DATASET_SHUFFLE_WARNING, stacklevel=7)  # The caller of tfdist.fit.
         if class_weight is not None and y is None and sample_weight is None:
             x = weighted_dataset(x, class_weight)
-        return Prepared(x, y, sample_weight, validation_data, batch_size, kind)
+        return Prepared(x, y, sample_weight, validation_data, batch_size)
     if kind == "dataset_fn":
         if class_weight is not None:
             x = weighted_dataset_fn(x, class_weight)
-        return Prepared(x, y, sample_weight, validation_data, batch_size, kind)
+        return Prepared(x, y, sample_weight, validation_data, batch_size)
     if kind == "py_dataset":
         _refuse_y("PyDataset", y, sample_weight)
         finite = _num_batches(x) is not None
@@ -361,7 +360,7 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
             raise UserError("x is an infinite PyDataset (its num_batches is None): pass steps_per_epoch= (steps in "
                             "an epoch), as Keras' fit needs to end an epoch, or give it a length.")
         if shuffle and not finite:
-            warnings.warn(INFINITE_PY_DATASET_SHUFFLE_WARNING, stacklevel=3)
+            warnings.warn(INFINITE_PY_DATASET_SHUFFLE_WARNING, stacklevel=7)  # The caller of tfdist.fit.
         dataset = py_dataset_to_dataset(x, shuffle=bool(shuffle), seed=seed)
         if class_weight is not None:
             dataset = weighted_dataset(dataset, class_weight)
@@ -370,17 +369,17 @@ def prepare(x: Any, y: Any, sample_weight: Any, *, validation_data: Any, batch_s
             count, first = _num_batches(x), _batch_size(_standardize(x[0]))
             examples = (count - 1) * first + _batch_size(_standardize(x[count - 1]))
             batch_size = batch_size or first
-        return Prepared(dataset, None, None, validation_data, batch_size, kind, examples)
+        return Prepared(dataset, None, None, validation_data, batch_size, examples)
     _refuse_y("Python generator", y, sample_weight)
     if class_weight is not None:
         raise UserError("class_weight is not supported for a Python generator as x (as in Keras); yield "
                         "(x, y, sample_weight) batches with the class weights, or use a keras.utils.PyDataset.")
     if shuffle:
-        warnings.warn(GENERATOR_SHUFFLE_WARNING, stacklevel=3)
+        warnings.warn(GENERATOR_SHUFFLE_WARNING, stacklevel=7)  # The caller of tfdist.fit.
     dataset, first_size = generator_pass(x) if steps_per_epoch is None and not stream else generator_to_dataset(x)
     if stream and batch_size is not None and batch_size != first_size:
         raise UserError(f"x is a Python generator, read as it comes: each batch it yields is a step, so "
                         f"batch_size={batch_size} cannot re-cut its batches (the first holds {first_size} "
                         "examples); drop batch_size= (a generator's batches are the batches, as in Keras).")
-    return Prepared(dataset, None, None, validation_data, batch_size or first_size, kind,
+    return Prepared(dataset, None, None, validation_data, batch_size or first_size,
                     one_pass=steps_per_epoch is None)

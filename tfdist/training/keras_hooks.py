@@ -287,4 +287,3 @@ def synchronized_moments(replica_sum: Optional[Callable[[list], list]]) -> Itera
 
     with _replaced(tf_nn, "_compute_moments_sync", _moments_over(replica_sum)):
         yield
-

@@ -1,37 +1,10 @@
-"""The run directory: configuration, checkpoints, summaries, export, metrics, and its lock.
+"""The run directory (``--workdir``): its lock, its files and their atomic writes (docs/run-directory.md).
 
-Layout of ``--workdir``::
-
-  config.json       the resolved configuration (repeat a run with it)
-  flags.txt         the same as an absl flagfile: tfdist-train --flagfile=W/flags.txt
-  plan.json         the resolved plan a resume must match (written by tfdist.fit)
-  membership.json   one entry per start of training in this workdir: the step it started or resumed
-                    at, and its workers and replicas (a change is a job that shrank or grew)
-  checkpoints/      tf.train checkpoints (ckpt-STEP), newest kept: model, optimizer, step and
-                    every random seed generator's state (`training_checkpoint`)
-  tensorboard/      TensorBoard summaries (and profiler traces)
-  model.keras       the final model
-  saved_model/      with the saved_model export: a SavedModel for serving
-  metrics.json      the run's results
-  .lock             only while a run is live: its host, pid and start time
-
-Only the chief writes. `RunDir` is used as a context manager (or
-``acquire()`` ... ``cleanup()``): on a local path the chief first takes an
-exclusive ``flock`` on the workdir, so a second run on a live workdir is
-refused at once, naming the holder; a lock left by a killed run is released by
-the kernel and taken over with a log line. Non-chief workers write only a
-private scratch directory, removed by ``cleanup()`` on every exit path.
-
-Every write that replaces a file goes through a temporary name and an atomic
-rename, so a failed run never leaves a half written export or metrics file;
-checkpoints are only ever added (the CheckpointManager keeps the newest
-``--keep_checkpoints``) and TensorFlow records a checkpoint in the
-``checkpoint`` state file only after its data is complete. A write that fails
-(disk full, permission denied, a vanished mount) becomes a `WriteError`: one
-paragraph naming the path, the cause and the last good checkpoint, after the
-failed write's partial files are removed. A resume starts from the newest
-checkpoint that reads back whole (`RunDir.readable_checkpoint`), skipping
-damaged ones with a log line.
+Only the chief writes; non-chief workers write only a private scratch directory, removed on every exit path.
+`RunDir` takes an exclusive ``flock`` on a local workdir (a second run is refused, naming the holder), writes
+every replacing file through a temporary name and an atomic rename, and turns a failed write into a
+`WriteError` naming the path, the cause and the last good checkpoint. What a checkpoint holds, and resuming
+from one, is `tfdist.training.checkpoints`.
 """
 
 from __future__ import annotations
@@ -72,7 +45,7 @@ class WriteError(UserError):
     exit_code = 1
 
 
-def _cause(error: BaseException) -> str:
+def cause(error: BaseException) -> str:
     """The reason of a failed write in a few words (the OS error text where there is one)."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
@@ -85,10 +58,10 @@ def _cause(error: BaseException) -> str:
 
 def _advice(error: BaseException) -> str:
     code = getattr(error, "errno", None)
-    cause = _cause(error).lower()
-    if code in (errno.ENOSPC, errno.EDQUOT) or "no space" in cause or "quota" in cause:
+    text = cause(error).lower()
+    if code in (errno.ENOSPC, errno.EDQUOT) or "no space" in text or "quota" in text:
         return "free space"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "permission" in cause or "read-only" in cause:
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "permission" in text or "read-only" in text:
         return "make it writable"
     return "fix the cause"
 
@@ -100,200 +73,6 @@ def default_workdir(strategy: str) -> str:
 
 def _is_local(path: str) -> bool:
     return "://" not in path
-
-
-def unreadable_checkpoint(path: str) -> Optional[str]:
-    """Why checkpoint `path` does not read back whole, or None when every tensor in it reads.
-
-    Reads each tensor once (the bundle reader checks each one's length and
-    checksum), before anything is restored into the model.
-    """
-    if not tf.io.gfile.exists(path + ".index"):
-        return "its index file is missing"
-    try:
-        reader = tf.train.load_checkpoint(path)
-        for key in sorted(reader.get_variable_to_shape_map()):
-            reader.get_tensor(key)
-    except (tf.errors.OpError, IndexError, ValueError, OSError, RuntimeError) as e:
-        return _cause(e)
-    return None
-
-
-# What the checkpoint holds besides the model and optimizer -------------------------
-SEED_CHILD = "seed_generators"
-
-
-class SeedStates(tf.__internal__.tracking.AutoTrackable):
-    """The state variables of the model's `keras.random.SeedGenerator`s, as one checkpoint child.
-
-    A `SeedGenerator` (Dropout, RandomFlip, GaussianNoise, ...) is a plain
-    Python object, not a TensorFlow ``Trackable``: TensorFlow's attribute
-    tracking never reaches its ``state`` variable, so ``Checkpoint(model=...)``
-    leaves it out. Held here (``seed_generators/states/I``, I in the order
-    of ``model.variables``), it is saved and restored without any change to
-    the model.
-    """
-
-    def __init__(self, states: list):
-        super().__init__()
-        self.states = list(states)
-
-
-def seed_generator_states(model: Any) -> list:
-    """The ``state`` variable of every SeedGenerator the model's layers hold, in ``model.variables`` order."""
-    ids = {id(generator.state) for layer in model._flatten_layers(include_self=True)
-           for generator in getattr(layer, "_seed_generators", [])}
-    states, seen = [], set()
-    for variable in model.variables:
-        if id(variable) in ids and id(variable) not in seen:
-            states.append(variable)
-            seen.add(id(variable))
-    return states
-
-
-class _Named(tf.__internal__.tracking.Trackable):
-    """A checkpoint node whose children are the given (name -> variable) pairs."""
-
-    def __init__(self, children: dict):
-        self._named = dict(children)
-
-    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
-        return dict(self._named)
-
-
-def _table(parts: list, name: str) -> Any:
-    """One logical variable saved in row slices: restores into any number of parts (2 shards -> 3)."""
-    from tensorflow.python.distribute import sharded_variable
-
-    from tfdist.distribute.backend import tf_variable
-
-    return sharded_variable.ShardedVariable([tf_variable(p) for p in parts], name=name)
-
-
-def _slot_owner(slot: Any, references: list) -> tuple[int, str] | None:
-    """(index in `references`, slot name) of a Keras optimizer slot, from its name (``{path}_{slot}``)."""
-    best = None
-    for index, reference in enumerate(references):
-        prefix = reference.path.replace("/", "_") + "_"
-        if slot.name.startswith(prefix) and (best is None or len(prefix) > best[2]):
-            best = (index, slot.name[len(prefix):], len(prefix))
-    return None if best is None else best[:2]
-
-
-def sharded_checkpoint_views(model: Any) -> tuple[Any, Any]:
-    """The model and its optimizer as checkpoint nodes whose keys do not depend on any table's shard count.
-
-    Keras' own checkpoint keys are positions in its variable lists, which move
-    when a `ShardedEmbedding` has another number of shards. Here each table, and
-    each optimizer slot of a table, is one variable saved in row slices
-    (``tables/J``, ``table_slots/J/NAME``); every other variable keeps its
-    position among the variables that are not shards (``variables/I``,
-    ``slots/I/NAME``, ``other/K``).
-    """
-    from tfdist.layers.sharded_embedding import sharded_tables
-
-    from tfdist.training.keras_hooks import optimizers as keras_optimizers
-
-    tables = [table for table in sharded_tables(model) if table.shards]  # An unbuilt layer holds nothing yet.
-    shard_of = {id(shard): (j, k) for j, table in enumerate(tables) for k, shard in enumerate(table.shards)}
-    model_children, seen = {}, set()
-    for variable in model.variables:
-        if id(variable) in seen or id(variable) in shard_of:
-            continue
-        seen.add(id(variable))
-        model_children[f"variables/{len(model_children)}"] = variable
-    for j, table in enumerate(tables):
-        model_children[f"tables/{j}"] = _table(table.shards, f"{table.name}/embeddings")
-    optimizer = model.optimizer
-    # What the optimizer was built for (a table frozen since keeps its slots).
-    inner = keras_optimizers(optimizer)[-1]
-    references = list(getattr(inner, "_trainable_variables", None) or model.trainable_variables)
-    plain = [v for v in references if id(v) not in shard_of]
-    position = {id(v): i for i, v in enumerate(plain)}
-    children: dict = {}
-    table_slots: dict = {}
-    others = 0
-
-    def add(key: str, variable: Any) -> None:
-        if key in children:
-            raise UserError(f"tfdist cannot checkpoint this model's optimizer: two of its variables map to {key!r} "
-                            "(layers whose variable paths coincide once '/' is read as '_'). Rename a layer.")
-        children[key] = variable
-
-    for variable in optimizer.variables:
-        owner = _slot_owner(variable, references)
-        if owner is None:
-            add(f"other/{others}", variable)
-            others += 1
-        elif id(references[owner[0]]) in shard_of:
-            j, k = shard_of[id(references[owner[0]])]
-            parts = table_slots.setdefault((j, owner[1]), {})
-            if k in parts:
-                raise UserError(f"tfdist cannot checkpoint ShardedEmbedding {tables[j].name!r}: two optimizer "
-                                f"variables name its shard {k}'s slot {owner[1]!r}. Rename a layer.")
-            parts[k] = variable
-        else:
-            add(f"slots/{position[id(references[owner[0]])]}/{owner[1]}", variable)
-    for (j, name), parts in sorted(table_slots.items()):
-        if sorted(parts) != list(range(len(tables[j].shards))):
-            raise UserError(f"tfdist cannot checkpoint ShardedEmbedding {tables[j].name!r}: its optimizer slot "
-                            f"{name!r} exists for shards {sorted(parts)} of {len(tables[j].shards)}.")
-        add(f"table_slots/{j}/{name}", _table([parts[k] for k in sorted(parts)], f"{tables[j].name}/{name}"))
-    return _Named(model_children), _Named(children)
-
-
-def sync_table_replicas(checkpoint: tf.train.Checkpoint) -> None:
-    """After a restore: every local replica of a mirrored table (and its slots) holds the restored value.
-
-    The sliced variables of `sharded_checkpoint_views` restore the first replica's copy only; the value
-    is then assigned to all. A checkpoint without such views has nothing to do.
-    """
-    from tensorflow.python.distribute import sharded_variable
-
-    for node in (checkpoint.model, checkpoint.optimizer):
-        for child in getattr(node, "_named", {}).values():
-            if isinstance(child, sharded_variable.ShardedVariable):
-                for part in child.variables:
-                    if len(getattr(part, "values", ())) > 1:  # A MirroredVariable with several local copies.
-                        part.assign(part.read_value())
-
-
-def training_checkpoint(model: Any, step: tf.Variable) -> tf.train.Checkpoint:
-    """What a checkpoint holds: the model, its optimizer, the step counter and the seed generators' state.
-
-    A model with `ShardedEmbedding` tables is held through `sharded_checkpoint_views`, so a
-    run resumes on another shard count.
-    """
-    from tfdist.layers.sharded_embedding import sharded_tables
-
-    seeds = {SEED_CHILD: SeedStates(seed_generator_states(model))}
-    from tfdist.training.custom_steps import overrides
-
-    # A custom train_step's own optimizers are the model's attributes: Keras' tracking holds them.
-    if sharded_tables(model) and not overrides(model, "train_step"):
-        model_view, optimizer_view = sharded_checkpoint_views(model)
-        return tf.train.Checkpoint(model=model_view, optimizer=optimizer_view, step=step, **seeds)
-    return tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step, **seeds)
-
-
-def restore_checkpoint(checkpoint: tf.train.Checkpoint, path: str) -> None:
-    """Restores `path` into `checkpoint` (made by `training_checkpoint`), asserting every object matched.
-
-    A checkpoint written before the seed generators' state was saved is
-    restored without it, with a warning: the resumed run's random masks then
-    differ from an uninterrupted run's (training is otherwise unchanged).
-    """
-    states = getattr(checkpoint, SEED_CHILD).states
-    keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-    if not states or any(key.startswith(SEED_CHILD + "/") for key in keys):
-        checkpoint.restore(path).assert_existing_objects_matched()
-        return
-    core = tf.train.Checkpoint(model=checkpoint.model, optimizer=checkpoint.optimizer, step=checkpoint.step)
-    core.restore(path).assert_existing_objects_matched()
-    logging.warning("Checkpoint %s holds no state of the model's %d random seed generator(s) (Dropout and other "
-                    "random layers; it was written by an older tfdist): resuming with their current state, so the "
-                    "random masks of the resumed steps differ from those of an uninterrupted run.",
-                    os.path.basename(path), len(states))
 
 
 class RunDir:
@@ -372,7 +151,7 @@ class RunDir:
                 try:
                     tf.io.gfile.makedirs(self.path)
                 except tf.errors.OpError as e:
-                    raise self._unusable(_cause(e)) from None
+                    raise self._unusable(cause(e)) from None
             return
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise self._unusable("it is a file, not a directory")
@@ -466,7 +245,7 @@ class RunDir:
     def _write_error(self, what: str, path: str, error: BaseException, verb: str = "write") -> WriteError:
         target = f"{what} to {path}" if what != path else path
         return WriteError(
-            f"Could not {verb} {target}: {_cause(error)}. {self._last_good()} {_advice(error).capitalize()} "
+            f"Could not {verb} {target}: {cause(error)}. {self._last_good()} {_advice(error).capitalize()} "
             "and rerun the same command to resume."
         )
 
@@ -528,44 +307,6 @@ class RunDir:
     def latest_checkpoint(self) -> Optional[str]:
         """The newest checkpoint in the workdir (read by every process to resume)."""
         return tf.train.latest_checkpoint(self.join("checkpoints"))
-
-    def checkpoints(self) -> list[str]:
-        """Every checkpoint the workdir's ``checkpoint`` state file records, newest first."""
-        state = tf.train.get_checkpoint_state(self.join("checkpoints"))
-        if state is None:
-            return []
-        paths = list(reversed(state.all_model_checkpoint_paths))
-        if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
-            paths.insert(0, state.model_checkpoint_path)
-        return paths
-
-    def readable_checkpoint(self) -> Optional[str]:
-        """The newest checkpoint that reads back whole (None when there is none at all).
-
-        A damaged one (truncated by a full disk or a killed copy, its index
-        missing, a checksum mismatch) is skipped with one log line naming it and
-        why. Every process of a job reads the same shared files in the same
-        order, so all pick the same checkpoint (the loop's agreement check
-        compares the restored steps). When none reads back whole: a `UserError`
-        naming each.
-        """
-        paths = self.checkpoints()
-        skipped: list[str] = []
-        for path in paths:
-            why = unreadable_checkpoint(path)
-            if why is None:
-                if skipped:
-                    logging.warning("Skipped damaged checkpoint%s %s in %s; resuming from %s.",
-                                    "s" if len(skipped) > 1 else "", "; ".join(skipped),
-                                    self.join("checkpoints"), os.path.basename(path))
-                return path
-            skipped.append(f"{os.path.basename(path)} ({why})")
-        if not paths:
-            return None
-        raise UserError(
-            f"Cannot resume the run in --workdir={self.path}: none of its checkpoints reads back whole: "
-            f"{'; '.join(skipped)}. Restore {self.join('checkpoints')} from a copy, or start a new run with a new "
-            "--workdir.")
 
     def write_json(self, name: str, values: dict[str, Any]) -> None:
         if self.is_chief:

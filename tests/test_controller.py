@@ -1,4 +1,4 @@
-"""tfdist.training.loop: what the outer loop guarantees across real worker processes.
+"""tfdist.training.controller: what the outer loop guarantees across real worker processes.
 
 Workers that disagree fail fast with a message naming them; SIGTERM to one
 worker stops every worker at the same step; a worker whose execution fails
@@ -226,14 +226,14 @@ def test_a_task_that_does_not_run_the_chiefs_callbacks_keeps_as_many_executions_
     # would wait, after a stop or an error, for an execution the chief never dispatches.
     import types
 
-    from tfdist.training import fitting, loop
+    from tfdist.training import controller, fitting
 
     as_worker = fitting.callbacks_for_task
     monkeypatch.setattr(fitting, "callbacks_for_task",
                         lambda callbacks, backend: as_worker(callbacks, types.SimpleNamespace(is_chief=False)))
     seen = []
-    run = loop.Controller.run
-    monkeypatch.setattr(loop.Controller, "run", lambda self, step: (seen.append(self.in_flight), run(self, step))[1])
+    run = controller.Controller.run
+    monkeypatch.setattr(controller.Controller, "run", lambda self, step: (seen.append(self.in_flight), run(self, step))[1])
     tfdist.fit(small_model(default_strategy()), batches(), epochs=1, verbose=0,
                callbacks=[keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq="batch")])
     assert seen == [1] and not (tmp_path / "tb").exists()  # As on the chief, which runs TensorBoard's hooks.

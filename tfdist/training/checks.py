@@ -1,0 +1,211 @@
+"""Refusals before any step: the model, its scope, custom steps, metrics, composite inputs, batches and XLA."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.distribute.backend import Backend, tf_variable
+from tfdist.errors import UserError
+from tfdist.training import custom_steps
+from tfdist.training.plan import LoopPlan
+from tfdist.training.sources import Source
+
+
+def check_composite(source: Source, backend: Backend, grad_accum_steps: int) -> None:
+    """Sparse and ragged inputs: not on a TPU (one static shape) nor cut into micro-batches."""
+    leaves = tf.nest.flatten(source.arrays.structure) if source.arrays is not None else \
+        tf.nest.flatten(source.spec) if source.spec is not None else []
+    if not any(isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor, tf.SparseTensorSpec, tf.RaggedTensorSpec))
+               for leaf in leaves):
+        return
+    if backend.device_kind == "tpu":
+        raise UserError("The inputs hold a SparseTensor or RaggedTensor, and a TPU compiles one static shape for every "
+                        "batch; pad them to dense arrays (tf.sparse.to_dense, RaggedTensor.to_tensor) for a TPU.")
+    if grad_accum_steps > 1:
+        raise UserError(f"The inputs hold a SparseTensor or RaggedTensor, which tfdist does not cut into "
+                        f"grad_accum_steps={grad_accum_steps} micro-batches; use grad_accum_steps=1 (or dense inputs).")
+
+
+def check_scope(model: keras.Model, backend: Backend) -> None:
+    extended = getattr(backend.strategy, "extended", None)
+    if backend.strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        strategy_default = True
+    else:
+        strategy_default = False
+    for variable in list(model.weights) + custom_steps.optimizer_variables(model):  # None for an uncompiled model.
+        value = tf_variable(variable)
+        if strategy_default or extended is None:
+            if isinstance(value, tf.distribute.DistributedValues):
+                raise UserError(f"The model's variable {variable.path} belongs to another tf.distribute strategy; build "
+                                "and compile the model under the scope of the strategy you train with.")
+            continue
+        if not extended.variable_created_in_scope(value):
+            raise UserError(
+                f"The model was not built under the strategy's scope (variable {variable.path} is not "
+                f"{type(backend.strategy).__name__}'s). Build and compile it inside `with strategy.scope():` "
+                "with the strategy from tfdist.make_strategy.")
+
+
+def why_even(backend: Backend, source: Source) -> str:
+    """Why this run needs a global batch the replicas (and micro-batches) divide, or "" if it does not."""
+    if backend.device_kind == "tpu":
+        return "a TPU compiles one batch shape for every replica"
+    if not backend.sharded_input:
+        return "parameter-server workers each train whole per-replica batches"
+    if source.kind == "dataset_fn":
+        return "the dataset function batches per replica (input_context.get_per_replica_batch_size)"
+    return ""
+
+
+def check_short_custom_step(model: keras.Model, backend: Backend, plan: LoopPlan, examples: int) -> None:
+    """A custom step on a replica with no example would average over nothing (NaN logs and layer state)."""
+    if plan.global_batch < backend.num_replicas and custom_steps.overrides(model, "train_step"):
+        raise UserError(
+            f"batch_size={plan.global_batch} is smaller than the number of replicas ({backend.num_replicas}), so a "
+            f"replica would run {type(model).__name__}.train_step() on no example at every step (its means, "
+            "trackers and BatchNormalization statistics would become NaN). Use a batch_size of at least "
+            f"{backend.num_replicas}.")
+    left = examples % plan.global_batch
+    if plan.partial_last and custom_steps.overrides(model, "train_step") and 0 < left < backend.num_replicas:
+        raise UserError(
+            f"The last batch of each epoch holds {left} example(s), fewer than the {backend.num_replicas} replicas, "
+            f"so a replica would run {type(model).__name__}.train_step() on no example (its means, trackers and "
+            "BatchNormalization statistics would become NaN). Use a batch_size that leaves at least one example "
+            "per replica in the last batch (or none), or pass steps_per_epoch= (whole batches).")
+
+
+def local_replicas(backend: Backend) -> int:
+    try:
+        return len(backend.strategy.extended.worker_devices) or 1
+    except (AttributeError, RuntimeError):  # The default strategy has none: one device.
+        return 1
+
+
+def resolve_jit(jit_compile: Any, backend: Backend, model: keras.Model) -> bool:
+    """XLA for the step: "auto" is what Keras' own ``fit`` would use, where tfdist can run it; refused clearly.
+
+    "auto" takes the model's ``jit_compile``: the value given to ``compile`` or, for
+    ``compile(jit_compile="auto")``, Keras' resolution of it (keras/src/trainers/trainer.py
+    ``_resolve_auto_jit_compile``: off on CPU-only machines, off for a model built under a
+    tf.distribute scope, off unless ``model_supports_jit``: every layer ``supports_jit``, op
+    determinism off). tfdist then keeps it off where it cannot run XLA: several replicas in
+    one process, Horovod, loss scaling, multi-worker CPU collectives, and TPUs (TPUStrategy
+    compiles every step with XLA itself). ``True`` is refused in those cases, and for a model
+    Keras would not compile (Keras warns and proceeds without XLA).
+    """
+    from keras.src.trainers.trainer import model_supports_jit
+    from tensorflow.python.framework.config import is_op_determinism_enabled  # What Keras reads.
+
+    if jit_compile not in ("auto", True, False):
+        raise UserError(f"jit_compile={jit_compile!r} must be 'auto', True or False.")
+    loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    single = local_replicas(backend) == 1 and backend.name != "horovod"
+    # XLA-compiled cross-worker collectives on CPU abort the process (SIGABRT, double free; TF 2.21).
+    cpu_workers = backend.device_kind == "cpu" and backend.num_workers > 1 and not backend.asynchronous
+    supported = model_supports_jit(model)
+    if jit_compile == "auto":
+        return bool(model.jit_compile) and supported and single and not loss_scaled and not cpu_workers \
+            and backend.device_kind != "tpu"
+    if jit_compile and not single:
+        raise UserError(
+            f"XLA (jit_compile) is supported here with one replica per process; this {backend.name} backend has "
+            f"{local_replicas(backend)} local replica(s){' (Horovod ops are not XLA ops)' if backend.name == 'horovod' else ''}"
+            ". Use --jit_compile=auto/false, or one process per device (multi_worker_mirrored).")
+    if jit_compile and cpu_workers:
+        raise UserError(
+            f"XLA (jit_compile=True) on a multi-worker CPU job ({backend.num_workers} workers) is refused: TensorFlow "
+            "aborts the workers (SIGABRT, double free) in XLA-compiled collectives on CPUs. Use jit_compile='auto' "
+            "or False on CPUs (XLA is also slower there), or XLA on GPU workers.")
+    if jit_compile and loss_scaled and backend.num_replicas > 1:
+        raise UserError("XLA (jit_compile) with loss scaling (mixed_float16) across several replicas hits an upstream "
+                        "Keras bug (keras-team/keras#21366); use --precision=mixed_bfloat16 (no loss scaling), or "
+                        "--jit_compile=false.")
+    if jit_compile and not supported:
+        layers = [f"{layer.name} ({type(layer).__name__})" for layer in model._flatten_layers()
+                  if not layer.supports_jit]
+        why = (f"layer(s) {', '.join(layers)} do not support XLA (supports_jit=False)" if layers else
+               "TensorFlow op determinism is enabled (tf.config.experimental.enable_op_determinism), which XLA "
+               "does not support" if is_op_determinism_enabled() else
+               "Keras does not support XLA for it on this platform")
+        raise UserError(f"jit_compile=True, but the model cannot be compiled with XLA: {why}. Keras' fit would warn "
+                        "and train without XLA; pass jit_compile='auto' or False to tfdist.fit.")
+    return bool(jit_compile)
+
+
+def check_model(model: keras.Model) -> None:
+    """Refuses models tfdist cannot train faithfully, before any step."""
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise UserError("The model is not compiled; call model.compile(optimizer=..., loss=..., metrics=...) under "
+                        "the strategy's scope before tfdist.fit.")
+
+
+def check_custom_steps(model: keras.Model, backend: Backend, *, grad_accum_steps: int) -> None:
+    """Refuses, before any step, what a custom ``train_step``/``test_step`` cannot be given on this backend."""
+    custom = [name for name in ("train_step", "test_step") if custom_steps.overrides(model, name)]
+    if not custom:
+        return
+    what = f"{type(model).__name__} overrides {' and '.join(n + '()' for n in custom)}"
+    if "train_step" in custom and backend.asynchronous:
+        scaled = [type(opt).__name__ for opt in custom_steps.optimizers_of(model)
+                  if isinstance(opt, keras.optimizers.LossScaleOptimizer)]
+        constrained = [v.path for v in model.trainable_variables if getattr(v, "constraint", None) is not None]
+        if scaled or constrained:
+            raise UserError(
+                f"{what} with {'a LossScaleOptimizer' if scaled else 'a weight constraint (' + constrained[0] + ')'}; "
+                "under parameter servers a custom step's updates are applied only if the step's claim holds, and "
+                "the state those update alongside cannot be written there. Train in float32 without weight "
+                "constraints, or with MultiWorkerMirroredStrategy or Horovod.")
+    if "train_step" in custom and grad_accum_steps > 1:
+        raise UserError(f"{what}; grad_accum_steps={grad_accum_steps} would have to split the user's step into "
+                        "micro-batches, which tfdist cannot do inside code it does not own. Use grad_accum_steps=1 "
+                        "(a larger batch over more replicas trains the same global batch).")
+
+
+def check_metrics(model: keras.Model) -> None:
+    """Refuses metrics whose state cannot be summed across replicas (call once the model is built).
+
+    Summed state is exact: float sums and counts (Mean-, Sum- and confusion-count-based metrics)
+    and integer counts (the IoU family's int64 confusion matrix), which travel in the float32
+    totals and are exact while a count stays below 2**24 per execution.
+    """
+    for metric in model.metrics:
+        for variable in metric.variables:
+            summable = variable.dtype.startswith(("float", "int", "uint"))
+            if not summable or variable.aggregation != "sum":
+                raise UserError(
+                    f"Metric {variable.path.split('/')[0]!r} keeps state ({variable.path}, {variable.dtype}, aggregation "
+                    f"{variable.aggregation}) that cannot be summed across replicas; tfdist.fit supports metrics "
+                    "whose state is sums or counts (aggregation 'sum': Keras' Mean-, Sum-, confusion-count- and "
+                    "IoU-based metrics). Give the metric's add_variable(aggregation='sum') state that adds up "
+                    "over batches, or compute it after training.")
+
+
+def check_agreement(backend: Backend, plan: LoopPlan, step: int, precision: str, every_secs: float) -> None:
+    """All tasks compare (step, plan, precision) before the first step; a mismatch fails all of them."""
+    if backend.single_controller:
+        return
+    # Time-based checkpoints gather once at a step every task must reach alike: on or off everywhere.
+    mine = np.array([backend.worker_index, step, plan.digest(),
+                     int(hashlib.sha256(precision.encode()).hexdigest()[:7], 16), int(every_secs > 0)], np.int64)
+    table = backend.gather_from_tasks(mine)
+    rows = sorted({tuple(int(v) for v in row) for row in table})
+    if len({row[1:] for row in rows}) == 1:
+        return
+    steps = ", ".join(f"worker {r[0]} step {r[1]}" for r in rows)
+    if len({r[1] for r in rows}) > 1:
+        raise UserError(
+            f"The workers restored different checkpoints ({steps}): is --workdir on storage every machine "
+            "shares? Point every worker at the same shared --workdir, and a BackupAndRestore at a backup_dir they "
+            "all share (or start them all from scratch in a new one).")
+    what = "plan (batch sizes, steps, seed, learning rate, dataset)" if len({r[2] for r in rows}) > 1 \
+        else f"precision policy (this task: {precision})" if len({r[3] for r in rows}) > 1 \
+        else f"time-based checkpoints (checkpoint_every_secs: {every_secs:g} on this task)"
+    raise UserError(
+        f"The workers disagree about the {what}: tasks {', '.join(f'worker {r[0]}' for r in rows)} resolved "
+        "different values. Start every worker with the same command, flags and software on the same kind of "
+        "machine.")
