@@ -21,10 +21,10 @@ from absl import logging
 
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
-from tfdist.training import checks, custom_steps, evaluating, export as export_lib, fit_args, held_out, inputs, \
-    plan as plan_lib, preparing, sources, workdir as workdir_lib
+from tfdist.training import checkpoints as checkpoints_lib, checks, custom_steps, evaluating, export as export_lib, \
+    fit_args, held_out, inputs, plan as plan_lib, preparing, sources, workdir as workdir_lib
 from tfdist.training.callbacks import BATCH_HOOKS, TEST_BATCH_HOOKS, callbacks_for_task, has_batch_hooks
-from tfdist.training.checkpoints import Checkpoints, training_checkpoint
+from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.controller import Controller, LoopOptions, LoopResult
 from tfdist.training.plan import LoopPlan
 from tfdist.training.steps import StepFunctions
@@ -63,7 +63,7 @@ def train(model: keras.Model, x: Any = None, y: Any = None, **arguments: Any) ->
     plan = _plan(call, backend, source)
     _build(call, backend, source, plan)
     step_counter = _step_counter(call, backend)
-    checkpoint = training_checkpoint(model, step_counter)  # Seed generators' state included.
+    checkpoint = checkpoints_lib.training_checkpoint(model, step_counter)  # Seed generators' state included.
     if call.workdir is not None:
         export_lib.check_exportable(model, call.export)  # Before any step: a failed export would come after.
     rundir = call.workdir if isinstance(call.workdir, workdir_lib.RunDir) else \
