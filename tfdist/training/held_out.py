@@ -17,18 +17,18 @@ KERAS_BATCH_SIZE = 32  # Keras' default for evaluate and predict.
 
 
 # Inputs -------------------------------------------------------------------------------
-def unpack(element: Any, what: str = "The dataset") -> tuple:
+def unpack(element: Any, validation: bool = False) -> tuple:
     """(x, y, sample_weight) as `keras.utils.unpack_x_y_sample_weight` reads it: a list is a tuple, a bare x has
     no y."""
     if isinstance(element, list):
         element = tuple(element)
     if not isinstance(element, tuple):
         return element, None, None
-    if len(element) not in (1, 2, 3) and what == "validation_data":
-        raise UserError(f"validation_data must be (x_val,), (x_val, y_val) or (x_val, y_val, sample_weight_val), "
-                        f"not a tuple of length {len(element)}.")
     if len(element) not in (1, 2, 3):
-        raise UserError(f"{what} yields tuples of {len(element)} values; yield x, (x, y) or (x, y, sample_weight).")
+        raise UserError(f"validation_data must be (x_val,), (x_val, y_val) or (x_val, y_val, sample_weight_val), "
+                        f"not a tuple of length {len(element)}." if validation else
+                        f"The dataset yields tuples of {len(element)} values; yield x, (x, y) or "
+                        "(x, y, sample_weight).")
     return tuple(element) + (None,) * (3 - len(element))
 
 
@@ -74,7 +74,7 @@ def _joined(parts: list, what: str) -> tuple:
     if columns.ndim(first) == 0:
         raise UserError(f"{what} yields scalars, not batches; batch it (dataset.batch(32)) first.")
     joined = tf.nest.map_structure(lambda *leaves: columns.concat(leaves), *parts)
-    return (*unpack(joined, what if what == "validation_data" else "The dataset"), columns.rows(first))
+    return (*unpack(joined, validation=what == "validation_data"), columns.rows(first))
 
 
 def _batch_size(batch_size: Optional[int], steps: Optional[int], num_examples: int) -> int:
@@ -194,7 +194,7 @@ def validation(model: keras.Model, validation_data: Any, source: Any, *, batch_s
                             "is evaluated exactly once.")
         *validation_data, batch = _read_dataset(validation_data, None, None, "validation_data")
         steps = None  # Already taken.
-    vx, vy, vw = unpack(validation_data, "validation_data")
+    vx, vy, vw = unpack(validation_data, validation=True)
     arrays = arrays_from(model, vx, vy, vw, "validation_data")
     if source.arrays is not None and tf.nest.map_structure(lambda a: a.shape[1:], arrays.x) != \
             tf.nest.map_structure(lambda a: a.shape[1:], source.arrays.x):

@@ -342,11 +342,3 @@ def resumed_fn(dataset_fn: DatasetFn, *, start_step: int, sharded: bool = True) 
         return ds
 
     return wrapped
-
-
-def to_arrays(dataset: tf.data.Dataset) -> tuple:
-    """Reads a finite dataset of batches into one structure of arrays (validation data)."""
-    parts = [tf.nest.map_structure(columns.leaf, part) for part in dataset]
-    if not parts:
-        raise ValueError("the dataset is empty")
-    return tf.nest.map_structure(lambda *leaves: columns.concat(leaves), *parts)
