@@ -5,6 +5,7 @@ and a parameter-server job through tfdist-launch, and 2 Horovod ranks under
 horovodrun (TF 2.18 session). Workers and ranks must end with identical weights.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -95,3 +96,43 @@ def test_dict_example_under_horovodrun(tmp_path, keras_accuracy):
     found = summaries(result.stdout)
     assert len(found) == 2 and found[0] == found[1], result.stdout[-3000:]
     assert abs(float(found[0][1]) - keras_accuracy) <= 0.02, (found, keras_accuracy)
+
+
+MEMORY_CGROUP = "/sys/fs/cgroup/memory"  # cgroup v1's memory controller (what this machine has).
+BIG_MLP = {"CPU_REPLICAS": "4", "WIDTH": "3072", "STEPS": "4"}  # 28.4M weights; Adam's moments 227 MB a copy.
+
+
+def _in_memory_cgroup(limit_bytes, env, name):
+    """Runs examples/big_mlp.py in a new memory cgroup of `limit_bytes` (the kernel kills it past the limit);
+    returns the process, how often it hit the limit and the cgroup's peak usage (what the limit counts: not
+    the shared libraries already cached, which ru_maxrss counts)."""
+    path = os.path.join(MEMORY_CGROUP, f"tfdist-test-{os.getpid()}-{name}")
+    os.mkdir(path)
+    try:
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit_bytes))
+        result = subprocess.run(["sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh", sys.executable,
+                                 "examples/big_mlp.py"], capture_output=True, text=True, timeout=600, cwd=REPO,
+                                env=subprocess_env(env))
+        with open(os.path.join(path, "memory.failcnt")) as f, \
+                open(os.path.join(path, "memory.max_usage_in_bytes")) as g:
+            return result, int(f.read()), int(g.read())
+    finally:
+        os.rmdir(path)
+
+
+@pytest.mark.skipif(not os.access(MEMORY_CGROUP, os.W_OK),
+                    reason="needs a writable cgroup-v1 memory controller (root) to give a process a memory limit")
+def test_big_mlp_is_killed_unsharded_and_trains_sharded_under_one_memory_limit():
+    """One process of 4 CPU replicas (one host's 4 devices): unsharded each holds Adam's whole state (4 x 227
+    MB), sharded 1/4 of it. The limit: the sharded run's own peak plus half of the 3 x 227 MB it saves."""
+    sharded = {**BIG_MLP, "ZERO_STAGE": "2"}
+    measured, _, peak = _in_memory_cgroup(2 ** 62, sharded, "measure")
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    limit = peak + 3 * 2 * 4 * 28351498 // 2
+    unsharded, hits, _ = _in_memory_cgroup(limit, {**BIG_MLP, "ZERO_STAGE": "0"}, "unsharded")
+    assert unsharded.returncode == -9 and hits > 0, (limit, unsharded.returncode, unsharded.stderr[-2000:])
+    assert "zero_stage=0" not in unsharded.stdout  # Killed before it finished.
+    trained, _, used = _in_memory_cgroup(limit, sharded, "sharded")
+    assert trained.returncode == 0, (limit, used, trained.stderr[-3000:])
+    assert re.search(r"zero_stage=2 params=28351498 loss=\d", trained.stdout)

@@ -63,6 +63,9 @@ def test_concurrent_workers_lose_no_update():
                                               "tests/programs/ps_counts.py"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[chief:0] applied=300 iterations=300 calls=300 expected=300" in result.stdout, result.stdout[-3000:]
+    # tfdist.fit(zero_stage=1) was refused before any step (the counts above start from zero).
+    assert "[chief:0] refused: zero_stage=1 is not supported on parameter servers (the optimizer state already " \
+           "lives on the ps tasks" in result.stdout, result.stdout[-3000:]
 
 
 def test_killed_worker_applies_each_step_once_and_the_counter_never_goes_back(tmp_path):

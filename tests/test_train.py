@@ -311,3 +311,19 @@ def test_checkpoint_every_secs_becomes_a_step_interval_measured_at_the_start(tmp
 def test_checkpoint_every_secs_below_zero_is_refused():
     with pytest.raises(UserError, match=r"--checkpoint_every_secs=-1.0 must be 0 \(off\) or a positive number"):
         TrainConfig(checkpoint_every_secs=-1.0).validate()
+
+
+def test_zero_stage_trains_as_unsharded_and_reports_each_replicas_state(tmp_path):
+    """tfdist-train --zero_stage=2 (Adam, 2 replicas): the weights of the unsharded run, exported whole in
+    model.keras; metrics.json holds each replica's part of Adam's state, which together make the whole."""
+    common = dict(precision="float32", max_steps=6, strategy="mirrored", num_cpu_replicas=2,
+                  all_reduce="reduce_to_one")
+    whole = run(tmp_path, "whole", **common)
+    sharded = run(tmp_path, "sharded", zero_stage=2, **common)
+    for a, b in zip(load_weights(str(tmp_path / "whole" / "model.keras")),
+                    load_weights(str(tmp_path / "sharded" / "model.keras"))):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    params = sum(int(np.prod(w.shape)) for w in load_weights(str(tmp_path / "sharded" / "model.keras")))
+    assert "zero_stage" not in whole and sharded["zero_stage"] == 2
+    parts = sharded["optimizer_state_bytes_per_replica"]
+    assert len(parts) == 2 and min(parts) > 0 and sum(parts) == sharded["optimizer_state_bytes_total"] == 8 * params

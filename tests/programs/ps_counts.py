@@ -33,6 +33,10 @@ def main() -> None:
         model = keras.Model(inputs, outputs)
         model.compile(optimizer=keras.optimizers.SGD(LR), loss=lambda y, p: tf.reduce_mean(p, axis=-1))
     x = np.ones((64 * STEPS_PER_EPOCH, 1), "float32")
+    try:  # Sharding the optimizer state is refused here, before any step (tests/test_zero.py).
+        tfdist.fit(model, x, np.zeros_like(x), batch_size=64, epochs=EPOCHS, verbose=0, zero_stage=1)
+    except tfdist.UserError as e:
+        print(f"refused: {e}", flush=True)
     tfdist.fit(model, x, np.zeros_like(x), batch_size=64, epochs=EPOCHS, verbose=0)
     kernel = float(model.layers[2].get_weights()[0][0, 0])
     calls = float(model.layers[1].calls.numpy())

@@ -129,6 +129,42 @@ class Backend:
         reduced = iter(decompress(context.all_reduce(tf.distribute.ReduceOp.SUM, sent), present))
         return [summed[i] if i in summed else None if g is None else next(reduced) for i, g in enumerate(grads)]
 
+    # What a sharded optimizer state needs (`tfdist.training.zero`) ------------------------------
+    def local_replicas(self) -> list[tuple[int, str]]:
+        """(Global replica index, device) of each replica this process runs, in the order of a distributed
+        variable's local copies."""
+        try:
+            devices = list(self.strategy.extended.worker_devices)
+        except RuntimeError:  # TensorFlow's default strategy: one replica, placed as TensorFlow places it.
+            return [(0, "")]
+        base = self.worker_index * len(devices)
+        return [(base + j, device) for j, device in enumerate(devices)]
+
+    def replica_index(self) -> int:
+        """The global index of the replica being traced (inside a replica step; a Python int)."""
+        context = tf.distribute.get_replica_context()
+        index = tf.get_static_value(context.replica_id_in_sync_group)
+        if index is None:  # TPUs: one trace for every core.
+            raise ValueError("This strategy traces one step for all replicas; no replica index.")
+        return int(index)
+
+    def all_gather(self, tensor: tf.Tensor, name: str) -> Optional[tf.Tensor]:
+        """The replicas' `tensor`s (dimension 0 may differ) concatenated in replica order, inside a replica
+        step; None where this backend's reductions cannot gather (then sum zero-filled tensors instead).
+        `name`: the same on every replica for the same collective (Horovod matches collectives by name)."""
+        extended = self.strategy.extended
+        cross = getattr(extended, "_cross_device_ops", None)
+        if self.num_replicas > 1 and type(cross).__name__ != "CollectiveAllReduce":
+            return None
+        return tf.distribute.get_replica_context().all_gather(tensor, axis=0)
+
+    def all_sum(self, tensors: list[tf.Tensor], name: str) -> list[tf.Tensor]:
+        """Sums `tensors` over the replicas in their own dtype (inside a replica step; no compression);
+        `name` as for `all_gather`."""
+        if self.num_replicas == 1:
+            return list(tensors)
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
+
     def replica_sum(self) -> Optional[Callable[[list], list]]:
         """Sums tensors over the replicas inside a step where TensorFlow has no replica context to (Horovod),
         or None: tf.distribute's replica context does (`BatchNormalization(synchronized=True)`)."""

@@ -220,6 +220,22 @@ class HorovodBackend(Backend):
         reduced = iter(decompress(reduced, present))
         return [None if g is None else next(reduced) for g in grads]
 
+    def local_replicas(self) -> list[tuple[int, str]]:
+        return [(self.hvd.rank(), "/gpu:0" if self.device_kind == "gpu" else "/cpu:0")]
+
+    def replica_index(self) -> int:
+        return self.hvd.rank()
+
+    def all_gather(self, tensor: tf.Tensor, name: str) -> Optional[tf.Tensor]:
+        # Named: Horovod matches ranks' collectives by name, which it would otherwise take from the input's
+        # op, and a rank with nothing to send builds another op than one with something.
+        return self.hvd.allgather(tensor, name=name) if self.hvd.size() > 1 else tensor
+
+    def all_sum(self, tensors: list[tf.Tensor], name: str) -> list[tf.Tensor]:
+        if self.hvd.size() == 1:
+            return list(tensors)
+        return [self.hvd.allreduce(t, op=self.hvd.Sum, name=f"{name}_{j}") for j, t in enumerate(tensors)]
+
     @property
     def public_strategy(self) -> HorovodStrategy:
         if getattr(self, "_public", None) is None:

@@ -44,6 +44,7 @@ class TrainConfig(StrategyOptions):
     warmup_epochs: float = 0.0
     lr_schedule: str = "cosine"
     grad_accum_steps: int = 1
+    zero_stage: int = 0
     steps_per_execution: Optional[int] = None
     jit_compile: str = "auto"
     # tfdist-train chooses the policy for the device (make_strategy keeps the user's unless asked).

@@ -108,7 +108,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         validation_batch_size=max(plan.per_replica_batch, 64),
         drop_remainder=True,  # Whole global batches a pass: each epoch a new permutation's (batching.BatchPlan).
         steps_per_execution=plan.steps_per_execution, grad_accum_steps=plan.grad_accum_steps, seed=config.seed,
-        max_steps=config.max_steps, checkpoint_every_steps=config.checkpoint_every_steps,
+        zero_stage=config.zero_stage, max_steps=config.max_steps, checkpoint_every_steps=config.checkpoint_every_steps,
         checkpoint_every_secs=config.checkpoint_every_secs,
         keep_checkpoints=config.keep_checkpoints, resume=config.resume, step_counter=step,
         jit_compile={"auto": "auto", "true": True, "false": False}[config.jit_compile],
@@ -142,8 +142,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         "eval_examples": result.val_examples,  # Counted by the evaluation itself.
         "first_train_loss": result.first_loss,
         "last_train_loss": result.last_loss,
-        "loss_scale": float(optimizer.dynamic_scale.numpy())
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None,
+        "loss_scale": _loss_scale(optimizer, result.optimizer_state),
         "train_examples_per_sec": result.examples_per_sec,
         "epoch_train_seconds": result.epoch_seconds,
         "wall_seconds": round(time.time() - start, 3),
@@ -151,9 +150,17 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         "workdir": config.workdir,
         "tensorflow_version": tf.__version__,
         "keras_version": keras.__version__,
+        **result.optimizer_state,  # zero_stage: the optimizer-state bytes each replica holds.
     }
     rundir.write_json("metrics.json", metrics)
     return metrics
+
+
+def _loss_scale(optimizer: Any, sharded: dict) -> Optional[float]:
+    """The dynamic loss scale at the end (a sharded optimizer state keeps its own: `sharded`)."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    return sharded["loss_scale"] if "loss_scale" in sharded else float(optimizer.dynamic_scale.numpy())
 
 
 class _WriteConfig(keras.callbacks.Callback):

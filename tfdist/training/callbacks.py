@@ -37,8 +37,12 @@ def _inert_batch_hooks(callback: Any) -> bool:
     return False
 
 
-def finalize_optimizer(model: keras.Model, backend: Backend) -> None:
-    """What Keras' fit does after the last epoch: ``finalize_variable_values`` (EMA weights, ``use_ema``)."""
+def finalize_optimizer(model: keras.Model, backend: Backend, zero: Any = None) -> None:
+    """What Keras' fit does after the last epoch: ``finalize_variable_values`` (EMA weights, ``use_ema``);
+    a sharded optimizer state (`tfdist.training.zero`) on each replica."""
+    if zero is not None:
+        zero.finalize()
+        return
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, keras.optimizers.Optimizer):
         with backend.scope():

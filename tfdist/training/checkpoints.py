@@ -4,8 +4,10 @@ restore and resume in the run directory."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -250,9 +252,10 @@ class Checkpoints:
     """The run's checkpoints in its run directory (None: none): restored to resume, saved by the Controller."""
 
     def __init__(self, checkpoint: tf.train.Checkpoint, step_counter: tf.Variable, rundir: Any, backend: Any,
-                 keep: int):
-        """`checkpoint`: what a checkpoint holds (`training_checkpoint`); `keep`: the newest kept."""
-        self.checkpoint = checkpoint
+                 keep: int, zero: Any = None):
+        """`checkpoint`: what a checkpoint holds (`training_checkpoint`); `keep`: the newest kept. `zero`: a
+        sharded optimizer state (`tfdist.training.zero`), saved beside each checkpoint by every process."""
+        self.checkpoint, self.zero = checkpoint, zero
         self.step_counter, self.rundir, self.backend, self.keep = step_counter, rundir, backend, keep
         self.manager: Optional[tf.train.CheckpointManager] = None
         self.applied: Optional[int] = None  # The steps applied to the variables at the last save.
@@ -283,15 +286,35 @@ class Checkpoints:
                     "the checkpoint was written by.") from None
             with self.backend.scope():
                 sync_table_replicas(self.checkpoint)
+            self._resume_sharded(latest)
             start_step = int(self.step_counter.numpy())
             logging.info("Resuming from checkpoint %s at step %d.", latest, start_step)
         self.manager = tf.train.CheckpointManager(self.checkpoint, rundir.checkpoint_dir, max_to_keep=self.keep,
                                                   checkpoint_name="ckpt")
         return start_step
 
+    def _resume_sharded(self, latest: str) -> None:
+        """A sharded optimizer state from the shards beside `latest`; without one, a checkpoint written
+        sharded is refused (its optimizer state is not in it)."""
+        step = int(re.sub(r".*ckpt-", "", latest))
+        written = tf.io.gfile.exists(os.path.join(os.path.dirname(latest), f"zero-{step}"))
+        if self.zero is not None:
+            self.zero.restore(os.path.dirname(latest), step)
+        elif written:
+            raise UserError(f"Cannot resume from {latest} without zero_stage: it was written with the optimizer "
+                            "state sharded (zero_stage=1 or 2), which only a sharded run reads. Pass zero_stage=1 "
+                            "or 2 (any replica count), or start a new run with a new workdir.")
+
     def save(self, step: int) -> Optional[str]:
-        """Saves at `step` (the chief, or every task where the backend needs it); returns the chief's path."""
+        """Saves at `step` (the chief, or every task where the backend needs it); returns the chief's path.
+        A sharded optimizer state is written first, by every process (its replicas' parts), then the rest."""
         backend = self.backend
+        if self.manager is not None and self.zero is not None:
+            directory = self.rundir.join("checkpoints")
+            with self.rundir.guard_write(f"sharded optimizer state of step {step}", directory):
+                self.zero.save(directory, step)
+            if backend.num_workers > 1:  # Every part written before the chief records the checkpoint.
+                backend.gather_from_tasks(np.zeros([1], np.int64))
         if self.manager is None or not (backend.is_chief or backend.all_tasks_save):
             return None
         # Saves come after every dispatched execution has finished, so the steps applied (the counter the
@@ -304,9 +327,20 @@ class Checkpoints:
         if applied < step:
             self.step_counter.assign(step)
         path = self.rundir.save_checkpoint(self.manager, step)  # A failed write: WriteError, the last good kept.
+        if self.zero is not None and backend.is_chief:
+            self._drop_old_shards()
         if backend.is_chief:
             logging.info("Saved checkpoint %s at step %d.", path, step)
         return path if backend.is_chief else None
+
+    def _drop_old_shards(self) -> None:
+        """Removes the sharded states of checkpoints the manager no longer keeps."""
+        kept = {f"zero-{re.sub(r'.*ckpt-', '', path)}" for path in self.manager.checkpoints}
+        directory = self.rundir.join("checkpoints")
+        for name in tf.io.gfile.listdir(directory):
+            name = name.rstrip("/")
+            if re.fullmatch(r"zero-\d+", name) and name not in kept:
+                tf.io.gfile.rmtree(os.path.join(directory, name))
 
     @property
     def latest(self) -> Optional[str]:

@@ -209,3 +209,56 @@ def check_agreement(backend: Backend, plan: LoopPlan, step: int, precision: str,
         f"The workers disagree about the {what}: tasks {', '.join(f'worker {r[0]}' for r in rows)} resolved "
         "different values. Start every worker with the same command, flags and software on the same kind of "
         "machine.")
+
+
+def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any = None,
+               grad_accum_steps: int = 1) -> None:
+    """What a sharded optimizer state (`zero_stage`, `tfdist.training.zero`) cannot do, refused before any step."""
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise UserError(f"zero_stage={stage!r} must be 0 (every replica holds the whole optimizer state), 1 "
+                        "(the optimizer state sharded over the replicas) or 2 (the gradients too); see "
+                        "docs/sharding.md.")
+    if stage == 0:
+        return
+    if stage == 3:
+        raise UserError("zero_stage=3 (sharding the weights themselves) is not available: a Keras 3 layer reads "
+                        "its whole variables in call(), and TensorFlow has no way to gather a variable just "
+                        "before a layer uses it and free it after without changing the model (docs/sharding.md "
+                        "says what it would take). Use zero_stage=2: the optimizer state and gradients sharded.")
+    where = "parameter servers (the optimizer state already lives on the ps tasks, sharded by variable)" \
+        if backend.asynchronous else "a TPU (its step is traced once for every core, so a core cannot keep its " \
+        "own part)" if backend.device_kind == "tpu" else ""
+    if where:
+        raise UserError(f"zero_stage={stage} is not supported on {where}. Use zero_stage=0 there, or a "
+                        "synchronous strategy (mirrored, multi_worker_mirrored, horovod).")
+    if custom_steps.overrides(model, "train_step"):
+        raise UserError(f"zero_stage={stage} cannot shard the optimizer of {type(model).__name__}, whose custom "
+                        "train_step calls its optimizer itself (tfdist cannot give it a part of the variables). "
+                        "Use zero_stage=0, or move the update into compile()'s loss and Keras' own train_step.")
+    optimizer = model.optimizer
+    inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+    if not isinstance(inner, keras.optimizers.Optimizer) or \
+            isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        raise UserError(f"zero_stage={stage} shards a Keras optimizer (keras.optimizers.*, or one loss scale "
+                        f"around one); {type(inner).__name__} is not one. Use zero_stage=0.")
+    from tfdist.layers.sharded_embedding import sharded_tables
+
+    if sharded_tables(model):
+        raise UserError(f"zero_stage={stage} cannot shard a model with ShardedEmbedding tables: their row-sparse "
+                        "updates are the user's optimizer's, patched per table, which the sharded copies do not "
+                        "carry. Use zero_stage=0 (the tables are already sharded over parameter servers).")
+    swap = [c for c in callbacks or () if isinstance(c, keras.callbacks.SwapEMAWeights)]
+    if swap:
+        raise UserError(f"zero_stage={stage} cannot run keras.callbacks.SwapEMAWeights: it swaps the model's weights "
+                        "with the averages in model.optimizer, and a sharded run keeps them in each replica's part "
+                        "instead (the optimizer itself stays unbuilt). Drop the callback (fit ends on the averages "
+                        "with use_ema=True, as Keras' does), or use zero_stage=0.")
+    if stage >= 2 and grad_accum_steps > 1 and getattr(backend, "op", None) == "adasum":
+        raise UserError(f"zero_stage={stage} with grad_accum_steps={grad_accum_steps} would combine each "
+                        "micro-batch's gradients by Adasum, which is not the Adasum of their sum. Use zero_stage=1 "
+                        "(one Adasum a step) or --hvd_op=average.")
+    if inner.global_clipnorm and inner.gradient_accumulation_steps:
+        raise UserError(f"zero_stage={stage} cannot apply {type(inner).__name__}(global_clipnorm=..., "
+                        "gradient_accumulation_steps=...): the norm is of the gradients the optimizer "
+                        "accumulates, which no replica holds whole. Use tfdist.fit(grad_accum_steps=...) instead "
+                        "of the optimizer's accumulation, or zero_stage=0.")

@@ -48,6 +48,8 @@ class LoopResult:
     device_step_count: Optional[int]
     val_examples: Optional[int] = None  # Examples the last evaluation counted (None: no evaluation ran).
     diverged: bool = False  # A callback (TerminateOnNaN) stopped training after a non-finite step.
+    # A sharded optimizer state's bytes per replica and in all (`tfdist.training.zero.state_report`).
+    optimizer_state: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -151,7 +153,7 @@ class Controller:
                 self._after_segment(run, stop)
             if run.step == start_step and self.validation is not None:
                 run.val_logs = self.evaluate()  # Resumed a finished run: evaluate what was restored.
-        finalize_optimizer(self.model, self.backend)
+        finalize_optimizer(self.model, self.backend, self.steps.zero)
         self.callbacks.on_train_end({**run.train_logs, **run.val_logs})
         self.summaries.flush()
         return LoopResult(

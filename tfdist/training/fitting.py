@@ -22,7 +22,7 @@ from absl import logging
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
 from tfdist.training import checkpoints as checkpoints_lib, checks, custom_steps, evaluating, export as export_lib, \
-    fit_args, held_out, inputs, plan as plan_lib, preparing, sources, workdir as workdir_lib
+    fit_args, held_out, inputs, plan as plan_lib, preparing, sources, workdir as workdir_lib, zero
 from tfdist.training.callbacks import BATCH_HOOKS, TEST_BATCH_HOOKS, callbacks_for_task, has_batch_hooks
 from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.controller import Controller, LoopOptions, LoopResult
@@ -35,6 +35,7 @@ def fit(
     batch_size: Optional[int] = None, epochs: int = 1, validation_data: Any = None, sample_weight: Any = None,
     callbacks: Optional[Sequence[keras.callbacks.Callback]] = None, workdir: Any = None, strategy: Any = None,
     steps_per_epoch: Optional[int] = None, steps_per_execution: Optional[int] = None, grad_accum_steps: int = 1,
+    zero_stage: int = 0,
     seed: int = 0, max_steps: Optional[int] = None,
     checkpoint_every_steps: int = 0, checkpoint_every_secs: float = 0.0, keep_checkpoints: int = 3,
     resume: Optional[bool] = None, verbose: int = 1, step_counter: Optional[tf.Variable] = None,
@@ -70,17 +71,22 @@ def train(model: keras.Model, x: Any = None, y: Any = None, **arguments: Any) ->
         workdir_lib.RunDir(call.workdir, is_chief=backend.is_chief) if call.workdir else None
     owned = rundir is not None and rundir is not call.workdir
     with rundir if owned else contextlib.nullcontext():
-        checkpoints = Checkpoints(checkpoint, step_counter, rundir, backend, call.keep_checkpoints)
+        checkpoints = Checkpoints(checkpoint, step_counter, rundir, backend, call.keep_checkpoints, zero=call.zero)
         start_step = _open_run(checkpoints, plan, call, backend)
         functions = StepFunctions(
             model, backend, grad_accum_steps=call.grad_accum_steps, step_counter=step_counter,
             jit_compile=checks.resolve_jit(call.jit_compile, backend, model), partial_last=plan.partial_last,
             row_sparse=backend.sum_rows_each_step(plan.steps_per_execution), streamed=plan.streamed,
             train_example=custom_steps.keras_data(inputs.drop_none(source.example(plan.micro_batch))),
-            eval_example=custom_steps.keras_data(inputs.drop_none(validation[0].structure)) if validation else None)
+            eval_example=custom_steps.keras_data(inputs.drop_none(validation[0].structure)) if validation else None,
+            zero=call.zero)
         # After the step functions: a custom step's optimizers are built when its step is first traced.
         backend.broadcast_initial_state(list(model.variables) + custom_steps.optimizer_variables(model))
+        optimizer_state = zero.state_report(call.zero, backend)
         result = _controller(call, backend, plan, source, functions, checkpoints, rundir, validation).run(start_step)
+        result.optimizer_state = optimizer_state
+        if call.zero is not None and call.zero.loss_scale:
+            result.optimizer_state["loss_scale"] = call.zero.current_scale()
         if rundir is not None and not result.diverged:  # Chief only; staged and renamed into place.
             export_lib.write_exports(rundir, model, call.export, result, checkpoints.latest)
     return result
@@ -99,6 +105,7 @@ def _check_call(call: Any, backend: Backend) -> None:
     """The arguments' own refusals (and Keras' global epoch cap), before the inputs are read."""
     checks.check_model(call.model)
     checks.check_custom_steps(call.model, backend, grad_accum_steps=call.grad_accum_steps)
+    checks.check_zero(call.model, backend, call.zero_stage, call.callbacks, call.grad_accum_steps)
     if call.epochs < 1:
         raise UserError(f"epochs={call.epochs} must be 1 or more.")
     if keras.config.max_epochs() and keras.config.max_epochs() < call.epochs:  # Keras' global cap, as its fit.
@@ -159,6 +166,7 @@ def _plan(call: Any, backend: Backend, source: sources.Source) -> LoopPlan:
                                                                  backend, BATCH_HOOKS, source.sparse_inputs()),
         steps_per_epoch=source.steps_per_epoch, seed=call.seed, max_steps=call.max_steps,
         extra={"data": source.kind, "num_train": source.num_examples, **(call.plan_extra or {}),
+               **({"sharded_optimizer_state": True} if call.zero_stage else {}),
                **fit_args.plan_fields(shuffle=source.shuffle, class_weight=call.class_weight,
                                       validation_split=call.validation_split)},
         pass_batches=source.pass_batches() if backend.sharded_input else None,  # PS: no passes.
@@ -172,8 +180,9 @@ def _plan(call: Any, backend: Backend, source: sources.Source) -> LoopPlan:
 
 def _build(call: Any, backend: Backend, source: sources.Source, plan: LoopPlan) -> None:
     checks.check_short_custom_step(call.model, backend, plan, source.num_examples)
-    preparing.build(call.model, backend, source.example(plan.micro_batch))
+    preparing.build(call.model, backend, source.example(plan.micro_batch), optimizer_state=not call.zero_stage)
     checks.check_metrics(call.model)  # Compiled metrics have variables only once built.
+    call.zero = zero.for_model(call.model, backend, call.zero_stage) if call.zero_stage else None
 
 
 def _step_counter(call: Any, backend: Backend) -> tf.Variable:

@@ -97,7 +97,7 @@ def _replaced(owner: Any, name: str, make: Callable[[Any, tuple], Any], *,
     attribute as it was: set again, or deleted if ``owner`` did not have its own.
     """
     key = (id(owner), name)
-    module = isinstance(owner, types.ModuleType)
+    module = isinstance(owner, (types.ModuleType, type))  # Set with setattr (an instance: object.__setattr__).
     with _lock:
         entry = _installed.get(key)
         if entry is None:

@@ -27,17 +27,25 @@ def backend_for(strategy: Any) -> Backend:
     return strategies.current_backend()
 
 
-def build(model: keras.Model, backend: Backend, example: tuple) -> None:
-    """Creates all model, metric and optimizer state, under the strategy's scope."""
+def build(model: keras.Model, backend: Backend, example: tuple, *, optimizer_state: bool = True) -> None:
+    """Creates all model, metric and optimizer state, under the strategy's scope (``optimizer_state=False``:
+    not the optimizer's, which a sharded optimizer keeps instead: `tfdist.training.zero`)."""
     x, y, sample_weight = example
     if (custom_steps.overrides(model, "train_step") or custom_steps.overrides(model, "test_step")) and \
             not custom_steps.has_call(model):
         return  # Nothing to call: its parts are built, and its step is traced before any step (custom_steps.probe).
+    optimizer = model.optimizer
+    unbuilt = not optimizer_state and not optimizer.built
     with backend.scope():
         try:
+            if unbuilt:  # Keras builds an unbuilt optimizer here: marked built while the model builds.
+                optimizer.built = True
             model._symbolic_build(data_batch=(x, y, sample_weight))
         except (ValueError, TypeError) as e:
             raise UserError(f"The model cannot take these inputs: {' '.join(str(e).split())[:400]}") from None
+        finally:
+            if unbuilt:
+                optimizer.built = False
 
 
 # The public function ---------------------------------------------------------------

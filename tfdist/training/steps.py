@@ -55,13 +55,15 @@ class StepFunctions:
     def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
                  jit_compile: bool = False, train_example: Any = None, eval_example: Any = None,
                  partial_last: bool = False, training: bool = True, row_sparse: bool = True,
-                 streamed: bool = False):
+                 streamed: bool = False, zero: Any = None):
         """``train_example``/``eval_example``: a batch's element structure (`custom_steps.keras_data`),
         for models with a custom ``train_step``/``test_step`` (traced once, `custom_steps.probe`).
         ``training=False``: evaluation only (`tfdist.evaluate`). ``row_sparse``: a sparse input's kernel
         gradient may reach the optimizer row-sparse (`Backend.sum_rows_each_step`). ``streamed``: the input
-        may end in an execution (a stream: `execution`)."""
+        may end in an execution (a stream: `execution`). ``zero``: the sharded optimizer state
+        (`tfdist.training.zero`) that updates the variables, or None."""
         self.model = model
+        self.zero = zero
         self.backend = backend
         self.row_sparse = row_sparse
         self.streamed = streamed
@@ -221,7 +223,7 @@ class StepFunctions:
                 added = forward_losses(model)
             loss, unscaled, deltas = self._tracked_loss(x, y, y_pred, sample_weight, training=True, added=added,
                                                         share=share)
-            scaled = self.optimizer.scale_loss(loss)
+            scaled = self.zero.scale_loss(loss) if self.zero is not None else self.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, variables)
         empty = None
         if total is not None:  # A part of a short last batch may hold no example: it adds nothing.
@@ -257,15 +259,22 @@ class StepFunctions:
         if self.partial_last:
             *data, total = data  # The step's global example count (`inputs.train_arrays_fn`).
             data = tuple(data)
+        # Sharded at stage 2, each micro-batch is reduced as it ends and only the owned part accumulates.
+        reduce_each = self.zero is not None and self.zero.stage >= 2 and self.accum > 1
+        present: list[int] = []
         for micro in self._micro_batches(data):
             x, y, sample_weight = _unpack(micro)
             g, d, _, b = self._forward_backward(x, y, sample_weight, total)
+            present = [i for i, v in enumerate(g) if v is not None]
+            if reduce_each:
+                g = self.zero.keep_owned(self.backend.finish_gradients(updates.dense(g)))
             grads = g if grads is None else [_add_grads(a, c) for a, c in zip(grads, g)]
             deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
             examples += b
         # The gradient all-reduce and the user's optimizer applied to the sums (`updates`).
         nonfinite = updates.apply(self.model, self.backend, grads, self.step_counter, data=data,
-                                  row_sparse=self.row_sparse, streamed=self.streamed)
+                                  row_sparse=self.row_sparse, streamed=self.streamed, zero=self.zero,
+                                  present=present, reduced=reduce_each)
         share = nonfinite / float(self.backend.num_replicas)
         return self.layout.add_step(totals, [examples, share, stop], deltas)
 

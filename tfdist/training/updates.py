@@ -6,7 +6,7 @@ traced (`tfdist.training.keras_hooks`), so its clipping and a loss scale's finit
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import keras
 import tensorflow as tf
@@ -16,9 +16,16 @@ from tfdist.training import keras_hooks, sparse_updates
 
 
 def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Variable, *, data: Any,
-          row_sparse: bool, streamed: bool) -> tf.Tensor:
+          row_sparse: bool, streamed: bool, zero: Any = None, present: Sequence[int] = (),
+          reduced: bool = False) -> tf.Tensor:
     """All-reduces one replica step's `grads` and applies them to the model's trainable variables (counting
-    the step); returns 1.0 where the summed gradients are non-finite (alike on every replica), else 0.0."""
+    the step); returns 1.0 where the summed gradients are non-finite (alike on every replica), else 0.0.
+
+    ``zero``: a sharded optimizer state (`tfdist.training.zero`) applies them, to the owned variables;
+    `present`: the variables with a gradient; ``reduced``: `grads` are already summed, the owned ones only.
+    """
+    if zero is not None and reduced:
+        return _apply_sharded(zero, backend, grads, step_counter, present=present, reduced=True)
     leaves = tf.nest.flatten(data)
     sparse = any(isinstance(t, tf.SparseTensor) for t in leaves)
     if any(isinstance(t, tf.RaggedTensor) for t in leaves) or (sparse and not row_sparse) or \
@@ -30,6 +37,8 @@ def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Va
     # Else a sparse input's kernel gradient (each replica's own unique rows) is summed as unique rows: it
     # reaches the optimizer row-sparse, one device's gradient.
     grads = backend.finish_gradients(grads, distinct_rows=sparse and row_sparse)
+    if zero is not None:
+        return _apply_sharded(zero, backend, grads, step_counter, present=present, reduced=False)
     # Whether this step's all-reduced gradients are non-finite: the same on every replica (the loop's
     # divergence guard counts steps).
     nonfinite = 1.0 - tf.cast(all_finite(grads), tf.float32)
@@ -38,6 +47,21 @@ def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Va
         # The update and the step count (parameter servers: only a step no earlier run claimed).
         backend.apply_step(lambda: optimizer.apply(grads, variables), step_counter, ready=grads)
     return nonfinite
+
+
+def dense(grads: list) -> list:
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+
+def _apply_sharded(zero: Any, backend: Backend, grads: list, step_counter: tf.Variable, *,
+                   present: Sequence[int], reduced: bool) -> tf.Tensor:
+    """The sharded update of all-reduced `grads`, of which a replica keeps its own variables' (``reduced``: the
+    step reduced each micro-batch and kept those already)."""
+    if not reduced:
+        grads = zero.keep_owned(grads)
+    finite = []
+    backend.apply_step(lambda: finite.append(zero.apply(grads, present)), step_counter)
+    return 1.0 - tf.cast(finite[0], tf.float32)
 
 
 @contextlib.contextmanager

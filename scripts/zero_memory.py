@@ -1,0 +1,127 @@
+"""The zero_memory benchmark: what sharding the optimizer state (`zero_stage`) saves and costs, measured.
+
+2 MultiWorkerMirrored workers (tfdist-launch) on this machine train a 4 x 4096 MLP (50.4M float32 weights,
+201 MB; Adam's moments 403 MB) for 2 epochs of 5 steps, batch 16, at zero_stage 0, 1 and 2, over loopback and
+over a link shaped to 1 Gbit/s (--link_rate=1gbit). Each worker reports its peak resident memory
+(ru_maxrss), the optimizer-state bytes it holds (`LoopResult.optimizer_state`) and the second epoch's time
+(the first pays for tracing). Stage 3 is refused (docs/sharding.md says why); the refusal is recorded.
+
+  python scripts/zero_memory.py                      # writes benchmarks/zero_memory.json and prints a table
+  python scripts/zero_memory.py --links=loopback --repeats=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIDTH, DEPTH, BATCH, STEPS = 4096, 4, 16, 5
+
+
+def worker(stage: int) -> None:
+    """One worker: trains and prints one JSON line of its figures."""
+    import resource
+
+    import keras
+    import numpy as np
+
+    import tfdist
+    from tfdist.distribute import strategies
+    from tfdist.training.fitting import train
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(BATCH * STEPS, WIDTH)).astype("float32"), rng.integers(0, 10, size=BATCH * STEPS)
+    strategy = tfdist.make_strategy(precision="float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((WIDTH,))] +
+                                 [keras.layers.Dense(WIDTH, activation="relu") for _ in range(DEPTH - 1)] +
+                                 [keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-4),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        result = train(model, x, y, batch_size=BATCH, epochs=2, verbose=0, zero_stage=stage, steps_per_execution=STEPS,
+                       export=())
+    except tfdist.UserError as e:
+        print("ZERO " + json.dumps({"stage": stage, "refused": str(e)}), flush=True)
+        return
+    backend = strategies.current_backend()
+    mine = result.optimizer_state.get("optimizer_state_bytes_per_replica", [None] * backend.num_replicas)
+    state = mine[backend.worker_index] if stage else sum(
+        int(np.prod(v.shape)) * 4 * 2 for v in model.trainable_variables)  # Unsharded: Adam's two moments.
+    print("ZERO " + json.dumps({
+        "stage": stage, "worker": backend.worker_index, "params": model.count_params(),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "optimizer_state_mb": round(state / 2 ** 20, 1), "epoch2_s": round(result.epoch_seconds[-1], 3),
+        "step_ms": round(1000 * result.epoch_seconds[-1] / STEPS, 1)}), flush=True)
+
+
+def launch(stage: int, link: str) -> list[dict]:
+    command = [sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2"]
+    if link != "loopback":
+        command.append(f"--link_rate={link}")
+    command += ["--", sys.executable, os.path.abspath(__file__), f"--worker={stage}"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=REPO)
+    rows = [json.loads(m) for m in re.findall(r"ZERO (\{.*\})", run.stdout)]
+    if not rows:
+        raise SystemExit(f"stage {stage} on {link}: no figures (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--links", default="loopback,1gbit")
+    parser.add_argument("--repeats", type=int, default=1, help="Alternating rounds of stages 0, 1, 2.")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "zero_memory.json"))
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker)
+        return
+    started = time.time()
+    runs = []
+    for link in args.links.split(","):
+        for _ in range(args.repeats):
+            for stage in (0, 1, 2):
+                rows = launch(stage, link)
+                runs.append({"link": link, "stage": stage, "workers": rows})
+                print(link, stage, rows, flush=True)
+    refused = launch(3, "loopback")[0]
+    summary = []
+    for link in args.links.split(","):
+        base = [r for r in runs if r["link"] == link and r["stage"] == 0]
+        for stage in (0, 1, 2):
+            mine = [w for r in runs if r["link"] == link and r["stage"] == stage for w in r["workers"]]
+            base_workers = [w for r in base for w in r["workers"]]
+            peak, state = max(w["peak_rss_mb"] for w in mine), max(w["optimizer_state_mb"] for w in mine)
+            step = sorted(w["step_ms"] for w in mine)[len(mine) // 2]
+            base_step = sorted(w["step_ms"] for w in base_workers)[len(base_workers) // 2]
+            removed = max(w["optimizer_state_mb"] for w in base_workers) - state
+            saved = max(w["peak_rss_mb"] for w in base_workers) - peak
+            summary.append({"link": link, "stage": stage, "peak_rss_mb_max_worker": peak,
+                            "optimizer_state_mb_per_worker": state, "state_removed_mb": round(removed, 1),
+                            "peak_saved_mb": saved,
+                            "saved_over_removed": round(saved / removed, 2) if removed else None,
+                            "step_ms_median": step, "speed_vs_unsharded": round(base_step / step, 3)})
+    out = {"machine": os.uname().nodename, "cores": os.cpu_count(), "model": f"{DEPTH} x {WIDTH} MLP, Adam",
+           "batch": BATCH, "steps_per_epoch": STEPS, "runs": runs, "summary": summary, "stage3": refused,
+           "seconds": round(time.time() - started)}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print("| link | stage | optimizer state / worker (MB) | peak RSS, larger worker (MB) | peak saved / state removed |"
+          " step (ms) | speed vs unsharded |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for s in summary:
+        print(f"| {s['link']} | {s['stage']} | {s['optimizer_state_mb_per_worker']} | {s['peak_rss_mb_max_worker']} | "
+              f"{s['peak_saved_mb']} / {s['state_removed_mb']} | {s['step_ms_median']} | {s['speed_vs_unsharded']} |")
+
+
+if __name__ == "__main__":
+    main()

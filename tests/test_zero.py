@@ -1,0 +1,303 @@
+"""tfdist.training.zero: the optimizer state sharded over the replicas (`zero_stage`), exact against Keras.
+
+In-process MirroredStrategy replicas (their reduce_to_one all-reduce: the gather is a sum of zero-filled
+buffers), real MultiWorkerMirrored processes (a collective all-gather) and Horovod ranks (hvd.allgather).
+Float32, fixed batches, 20 steps: the same weights as the unsharded run (1e-6) and as Keras' own fit (1e-5).
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist.distribute import strategies
+from tfdist.errors import UserError
+from tfdist.training import zero
+from tfdist.training.fitting import train
+from tests.test_horovod import horovodrun, needs_horovod
+from tests.zero_model import BATCH, EXAMPLES, data, keras_weights, model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIRRORED = {"all_reduce": "reduce_to_one"}
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.2, global_clipnorm=0.3),
+    "ema": lambda: keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9),
+    "keras_accumulation": lambda: keras.optimizers.SGD(0.1, momentum=0.5, gradient_accumulation_steps=2),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),  # Its own update step (a running product) around Keras'.
+    "loss_scale_factor": lambda: keras.optimizers.SGD(0.2, loss_scale_factor=64.0, global_clipnorm=0.3),
+    "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 15,
+                                                              dynamic_growth_steps=3),
+}
+
+
+def sharded_fit(replicas, optimizer, stage, **kwargs):
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=replicas, precision="float32", **MIRRORED) \
+        if replicas > 1 else tfdist.make_strategy("default", precision="float32")
+    with strategy.scope():
+        net = model(optimizer)
+    x, y = data()
+    result = train(net, x, y, batch_size=BATCH, shuffle=False, verbose=0, strategy=strategy, zero_stage=stage,
+                   export=(), **kwargs)
+    return net, result
+
+
+def close(a, b, atol):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(u, v, atol=atol, rtol=0)
+
+
+# tfdist's unsharded step cannot run Keras' own gradient accumulation under MirroredStrategy (Keras' TensorFlow
+# optimizer merges replicas inside a cond there); sharded, each clone runs it as Keras on one device does.
+UNSHARDED_FAILS = {"keras_accumulation"}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_sharded_updates_equal_unsharded_and_keras_on_1_2_and_4_replicas(name):
+    expected = keras_weights(OPTIMIZERS[name])
+    unsharded = None if name in UNSHARDED_FAILS else sharded_fit(4, OPTIMIZERS[name], 0)[0]
+    for replicas, stage in ((1, 1), (2, 2), (4, 1)):
+        net, result = sharded_fit(replicas, OPTIMIZERS[name], stage)
+        accumulated = OPTIMIZERS[name]().gradient_accumulation_steps or 1  # Keras counts updates then.
+        assert result.steps == 20 and int(np.asarray(net.optimizer.iterations)) == 20 // accumulated
+        assert not net.optimizer.built  # No replica ever held the whole state.
+        close(net.get_weights(), expected, 1e-5)
+        if replicas == 4 and unsharded is not None:
+            close(net.get_weights(), unsharded.get_weights(), 1e-6)
+
+
+@pytest.mark.keras_internals  # The optimizer clone binds Keras' backend-agnostic methods (tfdist.training.zero).
+def test_stage_2_reduces_each_micro_batch_and_keeps_the_global_norm():
+    expected = keras_weights(OPTIMIZERS["global_clipnorm"])
+    net, _ = sharded_fit(4, OPTIMIZERS["global_clipnorm"], 2, grad_accum_steps=3)
+    close(net.get_weights(), expected, 1e-5)
+
+
+@pytest.mark.keras_internals
+def test_a_loss_scale_skips_a_non_finite_step_on_every_replica_and_shrinks_as_keras():
+    """An overflowing scaled gradient on the first steps: Keras skips them and halves the scale; the sharded
+    state decides it from the whole gradient, so every owner skips together."""
+    def huge():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 127)
+    expected = keras_weights(huge)
+    net, result = sharded_fit(4, huge, 1)
+    close(net.get_weights(), expected, 1e-5)
+    assert result.steps == 20
+
+
+def test_each_replica_holds_its_share_of_the_adam_state_and_metrics_report_it():
+    net, result = sharded_fit(4, OPTIMIZERS["adam"], 1)
+    state = result.optimizer_state
+    per_replica, total = state["optimizer_state_bytes_per_replica"], state["optimizer_state_bytes_total"]
+    whole = sum(2 * 4 * int(np.prod(v.shape)) for v in net.trainable_variables)  # Adam: two moments.
+    assert (state["zero_stage"], len(per_replica), total) == (1, 4, whole)
+    # Dealt by bytes: the total over 4, plus at most the largest variable's state.
+    assert max(per_replica) <= whole / 4 + 2 * state["largest_variable_bytes"]
+    assert min(per_replica) > 0
+
+
+def test_owners_deal_variables_by_bytes():
+    shapes = [(100,), (10,), (60,), (40,), (5,)]
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in shapes]
+    assert zero.owners(variables, 2) == [0, 0, 1, 1, 1]  # 110 and 105 floats.
+    assert zero.owners(variables, 1) == [0] * 5
+
+
+def test_a_checkpoint_resumes_on_another_replica_count_as_the_unsharded_run(tmp_path):
+    """10 steps on 2 replicas, saved; resumed on 4 replicas and on 1 to step 20: Keras' 20 steps."""
+    expected = keras_weights()
+    first, _ = sharded_fit(2, None, 2, max_steps=10, workdir=str(tmp_path / "run"), checkpoint_every_steps=5)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("zero-")) == ["zero-10", "zero-5"]
+    assert sorted(os.listdir(checkpoints / "zero-10"))[0].startswith("replica-0-of-2")
+    for replicas in (4, 1):
+        run = tmp_path / f"run{replicas}"
+        subprocess.run(["cp", "-r", str(tmp_path / "run"), str(run)], check=True)
+        net, result = sharded_fit(replicas, None, 1, workdir=str(run))
+        assert (result.resumed_from, result.steps) == (10, 20)
+        close(net.get_weights(), expected, 1e-5)
+
+
+def test_resuming_across_sharded_and_unsharded_or_another_model_is_refused(tmp_path):
+    sharded_fit(2, None, 1, max_steps=5, workdir=str(tmp_path / "sharded"), checkpoint_every_steps=5)
+    with pytest.raises(UserError, match=r"sharded_optimizer_state \(was True, now None\)"):
+        sharded_fit(2, None, 0, workdir=str(tmp_path / "sharded"))
+    sharded_fit(2, None, 0, max_steps=5, workdir=str(tmp_path / "whole"), checkpoint_every_steps=5)
+    with pytest.raises(UserError, match=r"sharded_optimizer_state \(was None, now True\)"):
+        sharded_fit(2, None, 1, workdir=str(tmp_path / "whole"))
+    # The sharded state of a model of another shape (the plan does not see widths).
+    state = tmp_path / "sharded" / "checkpoints" / "zero-5"
+    strategy = tfdist.make_strategy("default", precision="float32")
+    wide = keras.Sequential([keras.Input((8,)), keras.layers.Dense(17, activation="tanh"),
+                             keras.layers.Dense(12, activation="tanh"), keras.layers.Dense(3)])
+    wide.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.05, global_clipnorm=1.0), loss="mse")
+    wide.build((None, 8))
+    backend = strategies.backend_of(strategy)
+    state_of_wide = zero.ShardedOptimizer(wide, backend, 1)
+    with pytest.raises(UserError, match=r"has shape \(8, 16\), this model's \(8, 17\); the checkpoint was written "
+                                        r"for a model of another shape"):
+        state_of_wide.restore(str(state.parent), 5)
+    with pytest.raises(UserError, match=r"sharded optimizer state of step 7 .* is missing or incomplete"):
+        state_of_wide.restore(str(state.parent), 7)
+
+
+def refused(match, optimizer=None, **kwargs):
+    with pytest.raises(UserError, match=match):
+        sharded_fit(2, optimizer, **kwargs)
+
+
+def test_bad_stages_and_what_cannot_be_sharded_are_refused_before_any_step():
+    refused(r"zero_stage=5 must be 0 .*, 1 .* or 2", stage=5)
+    refused(r"zero_stage=True must be 0", stage=True)
+    refused(r"zero_stage=3 \(sharding the weights themselves\) is not available: a Keras 3 layer reads its whole "
+            r"variables", stage=3)
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+
+    class Custom(keras.Sequential):
+        def train_step(self, data):
+            return super().train_step(data)
+    with strategy.scope():
+        custom = Custom([keras.Input((8,)), keras.layers.Dense(3)])
+        custom.compile(optimizer="adam", loss="mse")
+        accumulating = model(lambda: keras.optimizers.SGD(0.1, global_clipnorm=1.0, gradient_accumulation_steps=2))
+    x, y = data()
+    with pytest.raises(UserError, match=r"cannot shard the optimizer of Custom, whose custom train_step calls its "
+                                        r"optimizer itself"):
+        tfdist.fit(custom, x, y, batch_size=BATCH, verbose=0, zero_stage=1)
+    with pytest.raises(UserError, match=r"global_clipnorm=\.\.\., gradient_accumulation_steps=\.\.\."):
+        tfdist.fit(accumulating, x, y, batch_size=BATCH, verbose=0, zero_stage=2)
+    assert not custom.optimizer.built and not accumulating.optimizer.built
+
+
+def test_a_tpu_is_refused():
+    """A Cloud TPU cannot run here: its backend's one difference that matters (device_kind) stands in."""
+    from tfdist.training import checks
+
+    backend = strategies.backend_of(tfdist.make_strategy("default", precision="float32"))
+    with pytest.raises(UserError, match=r"zero_stage=1 is not supported on a TPU"):
+        checks.check_zero(model(), dataclasses.replace(backend, device_kind="tpu"), 1)
+
+
+def launch(args, timeout=300):
+    from tests.conftest import subprocess_env
+
+    result = subprocess.run([sys.executable, "-m", "tfdist.cli.launch", *args], capture_output=True, text=True,
+                            timeout=timeout, cwd=REPO, env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def job_weights(out, tasks):
+    loaded = [np.load(os.path.join(out, f"task{i}.npz")) for i in range(tasks)]
+    weights = [[f[f"arr_{k}"] for k in range(6)] for f in loaded]
+    for other in weights[1:]:
+        close(other, weights[0], 0)  # Every task holds the same whole model.
+    return weights[0], json.loads(str(loaded[0]["state"]))
+
+
+@pytest.mark.jobs
+def test_two_workers_shard_then_resume_on_three_and_on_one(tmp_path, monkeypatch):
+    """2 MultiWorkerMirrored workers, stage 2 with 2 micro-batches, 10 steps saved; resumed on 3 workers and
+    on 1 process to step 20: each equals Keras' 20 steps and holds half (a third) of the state. Buckets of 100
+    bytes: some workers send nothing to some of the all-gathers."""
+    monkeypatch.setenv("TFDIST_TEST_BUCKET_BYTES", "100")
+    expected = keras_weights()
+    run = str(tmp_path / "run")
+    program = [sys.executable, "tests/programs/zero_job.py"]
+    launch(["--num_workers=2", "--", *program, str(tmp_path), "multi_worker_mirrored", "2", "10", run])
+    _, state = job_weights(tmp_path, 2)
+    assert len(state["optimizer_state_bytes_per_replica"]) == 2
+    subprocess.run(["cp", "-r", run, run + "1"], check=True)
+    os.makedirs(tmp_path / "three")
+    launch(["--num_workers=3", "--", *program, str(tmp_path / "three"), "multi_worker_mirrored", "1", "20", run])
+    weights, state = job_weights(tmp_path / "three", 3)
+    close(weights, expected, 1e-5)
+    assert len(state["optimizer_state_bytes_per_replica"]) == 3
+    os.makedirs(tmp_path / "one")
+    from tests.conftest import subprocess_env
+    result = subprocess.run([*program, str(tmp_path / "one"), "default", "2", "20", run + "1"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights, _ = job_weights(tmp_path / "one", 1)
+    close(weights, expected, 1e-5)
+
+
+@needs_horovod
+def test_two_horovod_ranks_gather_with_allgather_and_train_as_keras(tmp_path):
+    expected = keras_weights(steps=20)
+    result = horovodrun([sys.executable, os.path.join(REPO, "tests", "programs", "zero_job.py"), str(tmp_path),
+                         "horovod", "2", "20"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    weights, state = job_weights(tmp_path, 2)
+    close(weights, expected, 1e-5)
+    assert len(state["optimizer_state_bytes_per_replica"]) == 2
+
+
+def test_an_optimizer_keras_already_built_hands_its_state_over():
+    """Keras' fit for 10 steps (Adam's moments built), then tfdist.fit sharded for 10: Keras' 20 steps."""
+    expected = keras_weights(OPTIMIZERS["adam"])
+    x, y = data()
+    net = model(OPTIMIZERS["adam"])
+    net.fit(x[:10 * BATCH], y[:10 * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+    before = [np.asarray(v) for v in net.optimizer.variables]
+    tfdist.fit(net, x[10 * BATCH:], y[10 * BATCH:], batch_size=BATCH, shuffle=False, verbose=0, zero_stage=1,
+               strategy=tfdist.make_strategy("default", precision="float32"))
+    close(net.get_weights(), expected, 1e-5)
+    assert int(np.asarray(net.optimizer.iterations)) == 20
+    # The user's own optimizer state is left as it was (bar its step count, which Keras' fit advances too).
+    close([np.asarray(v) for v in net.optimizer.variables][1:], before[1:], 0)
+
+
+def test_a_second_fit_goes_on_from_the_first_fits_sharded_state():
+    """Two tfdist.fit calls of 10 steps (Adam's moments carried over, as Keras' second fit carries them)."""
+    expected = keras_weights(OPTIMIZERS["adam"])
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        net = model(OPTIMIZERS["adam"])
+    x, y = data()
+    for part in (slice(0, 10 * BATCH), slice(10 * BATCH, 20 * BATCH)):
+        tfdist.fit(net, x[part], y[part], batch_size=BATCH, shuffle=False, verbose=0, zero_stage=1)
+    close(net.get_weights(), expected, 1e-5)
+
+
+def test_an_embedding_trains_as_keras_with_its_row_sparse_gradient():
+    """An Embedding's gradient reaches its owner row-sparse (IndexedSlices), as it reaches Keras' Adam."""
+    def embedding_model():
+        keras.utils.set_random_seed(2)
+        net = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(50, 6),
+                                keras.layers.Flatten(), keras.layers.Dense(3)])
+        net.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=1.0), loss="mse")
+        return net
+    ids = np.random.default_rng(3).integers(0, 50, size=(EXAMPLES, 4))
+    _, y = data()
+    reference = embedding_model()
+    reference.fit(ids, y, batch_size=BATCH, shuffle=False, verbose=0)
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        net = embedding_model()
+    tfdist.fit(net, ids, y, batch_size=BATCH, shuffle=False, verbose=0, zero_stage=1)
+    close(net.get_weights(), reference.get_weights(), 1e-5)
+
+
+class _Halving(keras.optimizers.schedules.LearningRateSchedule):  # Not registered with Keras.
+    def __call__(self, step):
+        return 0.1 * keras.ops.power(0.5, keras.ops.cast(step // 5, "float32"))
+
+
+def test_a_schedule_keras_cannot_rebuild_is_shared_and_what_cannot_be_sharded_is_refused():
+    expected = keras_weights(lambda: keras.optimizers.SGD(_Halving(), momentum=0.5))
+    net, _ = sharded_fit(2, lambda: keras.optimizers.SGD(_Halving(), momentum=0.5), 1)
+    close(net.get_weights(), expected, 1e-5)
+    refused(r"zero_stage cannot shard Adafactor's state: its variable '.*' is not named after one model "
+            r"variable's path", stage=1, optimizer=lambda: keras.optimizers.Adafactor(0.1))
+    ema = lambda: keras.optimizers.SGD(0.1, use_ema=True)  # noqa: E731
+    refused(r"cannot run keras.callbacks.SwapEMAWeights", stage=1, optimizer=ema,
+            callbacks=[keras.callbacks.SwapEMAWeights()])
