@@ -187,10 +187,11 @@ def test_second_run_on_a_live_workdir_is_refused_at_once(tmp_path):
         assert proc.poll() is None, "the first run did not survive the second"
         before = _latest_step(tmp_path)
         deadline = time.time() + 120
-        while _latest_step(tmp_path) == before and time.time() < deadline:  # It still checkpoints.
-            assert proc.poll() is None
+        while _latest_step(tmp_path) == before and time.time() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        assert _latest_step(tmp_path) > before
+        # It still checkpoints, or it ran its last steps while the second run was refused and ended well (a
+        # loaded CI machine: both seen).
+        assert _latest_step(tmp_path) > before or proc.poll() == 0, "no new checkpoint, and the run did not end well"
     finally:
         proc.kill()
         proc.wait(timeout=30)
