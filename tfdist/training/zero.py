@@ -7,10 +7,10 @@ and EMA are Keras' own code. A step: the gradients all-reduced as before (Tensor
 CPU; a replica drops what it does not own as it arrives), the owner applies its clone to its variables, then
 the updated variables are gathered into every replica's copy, a bucket at a time (`all_gather`, or a sum of
 zero-filled buffers where the strategy cannot gather). What Keras computes over the whole gradient is
-computed over the whole gradient: `global_clipnorm`'s norm and a `LossScaleOptimizer`'s finite check (one vector of per-variable
-figures summed over the replicas, then Keras' formula). Stage 2 also reduces each micro-batch of
-``grad_accum_steps`` and accumulates the owned part only. The user's optimizer is not built (no whole state
-anywhere); its ``iterations`` and learning rate stay the run's truth. docs/sharding.md.
+computed over the whole gradient: `global_clipnorm`'s norm and a `LossScaleOptimizer`'s finite check (one
+vector of per-variable figures summed over the replicas, then Keras' formula). Stage 2 also reduces each
+micro-batch of ``grad_accum_steps`` and accumulates the owned part only. The user's optimizer is not built
+(no whole state anywhere); its ``iterations`` and learning rate stay the run's truth. docs/sharding.md.
 """
 
 from __future__ import annotations
