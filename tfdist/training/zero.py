@@ -48,7 +48,7 @@ def owners(variables: Sequence[Any], num_replicas: int) -> list[int]:
     lower index), so each holds the total over N plus at most one variable."""
     held = [0] * num_replicas
     owner = [0] * len(variables)
-    sizes = [int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables]
+    sizes = [_bytes(v) for v in variables]
     for i in sorted(range(len(variables)), key=lambda i: (-sizes[i], i)):
         r = min(range(num_replicas), key=lambda r: (held[r], r))
         owner[i] = r
@@ -60,12 +60,11 @@ def _size(variable: Any) -> int:
     return int(np.prod(variable.shape))
 
 
-def buckets(variables: Sequence[Any], owner: Sequence[int], num_replicas: int, limit: int = 0) -> list[list[int]]:
+def buckets(variables: Sequence[Any], limit: int = 0) -> list[list[int]]:
     """What each all-gather of updated variables moves: runs of variables in order, of one dtype, at most
     `limit` bytes (`BUCKET_BYTES`; one larger variable alone). (Runs that take an equal share from every owner
     were tried: a 4-replica process then held four owners' parts and their slices at once, and its peak rose
     by 400 MB.)"""
-    del owner, num_replicas  # The order alone decides.
     limit = limit or BUCKET_BYTES
     groups: list[list[int]] = []
     held = 0
@@ -133,7 +132,6 @@ def _proxy(variable: Any, component: tf.Variable) -> Any:
 class _Shard:
     """One replica's part: the variables it owns, its copies of all of them and its optimizer clone."""
     replica: int
-    device: str
     owned: list[int]
     proxies: list[Any]  # One per trainable variable: this replica's copy.
     optimizer: Any
@@ -233,8 +231,7 @@ class ShardedOptimizer:
         # Horovod: one all-gather a dtype, every rank sending as many values (several a step, or a rank with
         # nothing to send, hung under horovodrun here; the cause is not found yet).
         self.equal_parts = type(backend).__name__ == "HorovodBackend"
-        self.buckets = buckets(self.variables, self.owner, backend.num_replicas,
-                               limit=2 ** 62 if self.equal_parts else 0)
+        self.buckets = buckets(self.variables, limit=2 ** 62 if self.equal_parts else 0)
         self.shards = {replica: self._shard(user, inner, replica, local, device)
                        for local, (replica, device) in enumerate(backend.local_replicas())}
         self._seed_from(user, inner)
@@ -252,7 +249,7 @@ class ShardedOptimizer:
             clone._learning_rate = inner._learning_rate  # The user's: its variable callbacks set, its schedule.
             before = {id(v) for v in clone.variables}
             clone.build([proxies[i] for i in owned])
-            shard = _Shard(replica, device, owned, proxies, clone,
+            shard = _Shard(replica, owned, proxies, clone,
                            state=[v for v in clone.variables if id(v) not in before])
             _check_keys(shard, inner)
             if self.loss_scale:
@@ -279,7 +276,7 @@ class ShardedOptimizer:
     # Accounting --------------------------------------------------------------------------------------------
     def local_state_bytes(self) -> list[int]:
         """The optimizer-state bytes each of this process's replicas holds."""
-        return [sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in shard.state)
+        return [sum(_bytes(v) for v in shard.state)
                 for shard in self.shards.values()]
 
     def current_scale(self) -> float:
@@ -534,6 +531,6 @@ def state_report(zero: Optional[ShardedOptimizer], backend: Backend) -> dict[str
         per_replica = [int(b) for b in np.asarray(backend.gather_from_tasks(np.asarray(local, np.int64))).ravel()]
     else:
         per_replica = local
-    largest = max((int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in zero.variables), default=0)
+    largest = max((_bytes(v) for v in zero.variables), default=0)
     return {"zero_stage": zero.stage, "optimizer_state_bytes_per_replica": per_replica,
             "optimizer_state_bytes_total": int(sum(per_replica)), "largest_variable_bytes": largest}
