@@ -26,7 +26,7 @@ CPU rows (pinned to the CPU with CUDA_VISIBLE_DEVICES="" on a GPU machine):
   mwms       MultiWorkerMirroredStrategy, 2 workers over loopback (tfdist-launch) vs 1 worker, same global
              batch; plus an estimate of the communication share of a 2-worker step.
   allreduce  MWMS 2 workers: --all_reduce=ring vs auto (row allreduce), --all_reduce_dtype=bfloat16 vs
-             float32 (ar_bf16), --all_reduce_pack_mb=0.25 vs 0, TensorFlow's default (ar_pack).
+             float32 (ar_bf16), --all_reduce_pack_mb=0.25 vs 0, one pack: TensorFlow's default (ar_pack).
   ps         ParameterServerStrategy, 1 ps + 2 workers over loopback vs 1 local worker, same global batch.
   ps_embedding  ParameterServerStrategy, 2 ps + 2 workers over loopback, scripts/ps_embedding.py: ids (one
              random id per example) -> embedding (N x 64) -> Flatten -> Dense(1), batch 1024, trained with
@@ -48,10 +48,11 @@ CPU rows (pinned to the CPU with CUDA_VISIBLE_DEVICES="" on a GPU machine):
              with --horovod_python, peer_horovod (horovod.tensorflow.keras + tf_keras, scripts/peer_horovod_keras.py).
   comm       scripts/comm_mlp.py (a 2.6M-weight MLP, synthetic data, global batch 1024, SGD, spe 4) on 2 workers
              over a loopback shaped to 1 Gbit/s (tfdist-launch --link_rate=1gbit): comm_mwms (tfdist against
-             the ideal max(compute, gradient bytes x 2 / rate), compute measured as 2 copies at once at batch 512
-             with no communication), comm_tf_keras (vs tf_keras fit), comm_bf16 (bfloat16 all-reduce vs
+             the bound t_forward + max(t_backward, t_comm), each measured in the same run by --measure_bound,
+             scripts/overlap_probe.py's timings; B: 2 copies at once at batch 512 with no communication, for
+             the scaling model), comm_tf_keras (vs tf_keras fit), comm_bf16 (bfloat16 all-reduce vs
              float32), comm_accum (4 accumulated micro-batches a step vs 1), comm_ps (1 ps + 2 workers, vs
-             tf_keras fit).
+             tf_keras fit) and comm_ps_unshaped (the same on an unshaped loopback).
 GPU rows (only where GPUs are found, or --gpus=N):
   gpu        gpu_fit (1 GPU: tfdist vs model.fit), gpu_bf16 and gpu_fp16 (vs float32), gpu_xla (XLA on vs
              off), gpu_mirrored (N GPUs mirrored vs 1 GPU, same global batch; needs N >= 2).

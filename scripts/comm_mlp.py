@@ -18,7 +18,14 @@ the steps per epoch, the global batch, the gradient bytes per step, the bytes
 the job's loopback carried per step (epochs 2..N; all tasks' traffic) and the
 final loss. The other tasks print nothing of it.
 
-  tfdist-launch --num_workers=2 --link_rate=1gbit -- python scripts/comm_mlp.py --framework=tfdist
+With --measure_bound (tfdist under MWMS or one device), after fit the same
+processes time the engine's own step parts as scripts/overlap_probe.py does (a
+plain-TensorFlow copy of the MLP, tf.function steps under the same strategy,
+median of --bound_steps): t_forward, t_backward (forward + backward + SGD update
+less forward), t_comm (one all-reduce of the gradient-shaped tensors through the
+strategy) and bound_ms = t_forward + max(t_backward, t_comm), added to the BENCH line.
+
+  tfdist-launch --num_workers=2 --link_rate=1gbit -- python scripts/comm_mlp.py --framework=tfdist --measure_bound
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import json
 import math
 import os
+from typing import Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -47,8 +55,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps_per_execution", type=int, default=1)
     parser.add_argument("--learning_rate", type=float, default=0.01)
     parser.add_argument("--all_reduce_dtype", default="float32", help="tfdist only.")
-    parser.add_argument("--all_reduce_pack_mb", type=float, default=0.0, help="tfdist only.")
+    parser.add_argument("--all_reduce_pack_mb", type=float, default=None,
+                        help="tfdist only (default: tfdist's packs; 0: one pack).")
     parser.add_argument("--grad_accum_steps", type=int, default=1, help="tfdist only.")
+    parser.add_argument("--measure_bound", action="store_true",
+                        help="tfdist only: after fit, time t_forward, t_backward and t_comm (scripts/overlap_probe.py) "
+                             "and report bound_ms = t_forward + max(t_backward, t_comm).")
+    parser.add_argument("--bound_steps", type=int, default=10, help="Timed steps per part of --measure_bound.")
+    parser.add_argument("--bound_warmup", type=int, default=2, help="Untimed steps per part first.")
     return parser.parse_args(argv)
 
 
@@ -103,9 +117,10 @@ def timer_class(keras):
     return LinkTimer
 
 
-def report(args, timer, model, framework_version: str) -> None:
+def report(args, timer, model, framework_version: str, bound: Optional[dict] = None) -> None:
     if not programs.reports_here():
         return
+    steady = timer.bytes[1:] or timer.bytes  # Epochs 2..N.
     params = int(sum(math.prod(int(d) for d in w.shape) for w in model.trainable_weights))
     print("BENCH " + json.dumps({
         "epoch_train_seconds": timer.seconds, "steps_per_epoch": args.steps_per_epoch,
@@ -113,18 +128,32 @@ def report(args, timer, model, framework_version: str) -> None:
         "framework": args.framework, "framework_version": framework_version,
         "all_reduce_dtype": args.all_reduce_dtype, "grad_accum_steps": args.grad_accum_steps,
         "steps_per_execution": args.steps_per_execution,
-        "link_bytes_per_step": round(sum(timer.bytes[1:] or timer.bytes) / (len(timer.bytes[1:] or timer.bytes)
-                                                                        * args.steps_per_epoch)),
-        "loss": None if timer.last_loss is None else float(timer.last_loss)}), flush=True)
+        "link_bytes_per_step": round(sum(steady) / (len(steady) * args.steps_per_epoch)),
+        "loss": None if timer.last_loss is None else float(timer.last_loss), **(bound or {})}), flush=True)
+
+
+def measure_bound(strategy, args) -> dict:
+    """t_forward, t_backward, t_comm and bound_ms on this job's workers, as scripts/overlap_probe.py times them."""
+    import overlap_probe  # Beside this script (scripts/ is on sys.path).
+
+    measured = overlap_probe.measure(strategy, args.features, args.width, args.layers, args.classes, args.batch,
+                                     steps=args.bound_steps, warmup=args.bound_warmup,
+                                     learning_rate=args.learning_rate)
+    return {**{k: measured[k] for k in ("t_forward_ms", "t_backward_ms", "t_comm_ms", "bound_ms")},
+            "bound_steps": args.bound_steps, "bound_modes": measured["modes"]}
 
 
 def run_tfdist(args) -> None:
     import keras
+    import tensorflow as tf
 
     import tfdist
 
     strategy = tfdist.make_strategy("auto", precision="float32", all_reduce_dtype=args.all_reduce_dtype,
-                                   all_reduce_pack_mb=args.all_reduce_pack_mb)
+                                    all_reduce_pack_mb=args.all_reduce_pack_mb)
+    parameter_servers = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+    if args.measure_bound and parameter_servers:
+        raise SystemExit("--measure_bound needs MWMS or one device, not parameter servers.")
     with strategy.scope():
         model = build(keras, args)
         model.compile(optimizer=keras.optimizers.SGD(args.learning_rate),
@@ -132,9 +161,11 @@ def run_tfdist(args) -> None:
                       steps_per_execution=args.steps_per_execution)
     x, y = synthetic(args)
     timer = timer_class(keras)()
-    tfdist.fit(model, x, y, batch_size=args.batch, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, shuffle=False,
+    tfdist.fit(model, x, y, batch_size=args.batch, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
+               shuffle=parameter_servers,  # In order; parameter servers' workers read in an order of their own.
                grad_accum_steps=args.grad_accum_steps, callbacks=[timer], verbose=0, export=())
-    report(args, timer, model, "tfdist, keras " + keras.__version__)
+    bound = measure_bound(strategy, args) if args.measure_bound else None
+    report(args, timer, model, "tfdist, keras " + keras.__version__, bound)
 
 
 def run_tf_keras(args) -> None:
@@ -176,6 +207,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.examples % args.batch:
         raise SystemExit(f"--examples={args.examples} must be a multiple of --batch={args.batch}.")
+    if args.measure_bound and args.framework != "tfdist":
+        raise SystemExit("--measure_bound is for --framework=tfdist.")
     (run_tfdist if args.framework == "tfdist" else run_tf_keras)(args)
 
 

@@ -110,8 +110,8 @@ def applied_steps(tmp_path) -> tuple:
 def assert_applied_after_one_kill(tmp_path, output: str) -> None:
     """310 steps counted; each applied once, but for the documented window of one killed worker.
 
-    A worker killed between its step's claim on the ps and the end of that step's updates (one ps
-    round trip) leaves that one step unapplied (README, "Parameter servers"); the chief then says so
+    A worker killed between its step's claim on the ps and the end of that step's updates leaves
+    that one step unapplied (README, "Parameter servers"); the chief then says so
     at the next checkpoint. A step applied twice, or two lost, fails here.
     """
     applied = applied_steps(tmp_path)
@@ -187,3 +187,27 @@ def test_sigterm_checkpoints_on_the_chief(tmp_path):
     step = job.preempt_after_first_checkpoint()
     assert 0 < step < 310 and latest_checkpoint_step(tmp_path / "w") == step
     assert "forwarding SIGTERM to chief:0 (checkpoint, then exit)" in job.output
+
+
+def test_gradients_are_staged_on_their_variables_devices_before_the_claim():
+    # A lowered cond's Switch sits with its input: a gradient left on the worker waits for the claim's answer
+    # before it travels. Staged, each (dense or row-sparse) is already on its variable's ps; None stays None.
+    devices = ["/job:localhost/replica:0/task:0/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:1"]
+    tf.config.set_soft_device_placement(True)
+    variables = []
+    for device in devices:
+        with tf.device(device):
+            variables.append(tf.Variable(tf.zeros([4, 2])))
+    seen = {}
+
+    @tf.function
+    def stage(dense):
+        rows = tf.IndexedSlices(dense[:1], tf.constant([3]), tf.constant([4, 2]))
+        staged = parameter_server._staged([dense, rows, None], [variables[0], variables[1], variables[0]])
+        seen["devices"] = [staged[0].device, staged[1].values.device, staged[1].indices.device]
+        seen["kinds"] = [type(s).__name__ for s in staged]
+        return staged[0]
+
+    stage.get_concrete_function(tf.TensorSpec([4, 2], tf.float32))
+    assert seen["devices"] == [devices[0], devices[1], devices[1]]
+    assert seen["kinds"] == ["SymbolicTensor", "IndexedSlices", "NoneType"]

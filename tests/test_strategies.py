@@ -69,6 +69,23 @@ def test_single_process_multi_worker_mirrored(monkeypatch):
     backend = build(strategy="multi_worker_mirrored")
     assert isinstance(backend.strategy, tf.distribute.MultiWorkerMirroredStrategy)
     assert (backend.num_workers, backend.num_replicas, backend.is_chief) == (1, 1, True)
+    # Unless told a pack size, tfdist chooses each step's (`backend.pack_bytes`).
+    assert backend.auto_pack and backend.strategy.extended._communication_options.bytes_per_pack == 0
+
+
+@pytest.mark.parametrize("pack_mb, expected", [(None, 0), (0.0, 0), (0.5, 2**19)])
+def test_multi_worker_mirrored_packs_as_asked(monkeypatch, pack_mb, expected):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    seen = []
+
+    def strategy(cluster_resolver, communication_options):
+        seen.append(communication_options.bytes_per_pack)
+        raise RuntimeError("stop here")  # The options are all this test reads; one MWMS per process.
+
+    monkeypatch.setattr(tf.distribute, "MultiWorkerMirroredStrategy", strategy)
+    with pytest.raises(RuntimeError, match="stop here"):
+        build(strategy="multi_worker_mirrored", all_reduce_pack_mb=pack_mb)
+    assert seen == [expected]
 
 
 @pytest.mark.parametrize(
@@ -112,3 +129,14 @@ def test_malformed_tf_config_with_multi_worker(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", "{cluster: oops")
     with pytest.raises(UserError, match="TF_CONFIG is invalid: it is not JSON"):
         build(strategy="multi_worker_mirrored")
+
+
+@pytest.mark.parametrize("megabytes, expected_mb", [(0.04, 4), (10.5, 4), (100, 12.5), (1000, 64)])
+def test_a_steps_packs_are_an_eighth_of_its_gradients_within_4_to_64_mb(megabytes, expected_mb):
+    from tfdist.distribute.backend import pack_bytes
+
+    floats = int(megabytes * 2**20 / 4)
+    grads = [tf.TensorSpec([floats // 2], tf.float32), tf.TensorSpec([floats - floats // 2], tf.float32)]
+    seen = []
+    tf.function(lambda *g: seen.append(pack_bytes(g))).get_concrete_function(*grads)
+    assert seen == [int(expected_mb * 2**20)]  # The bytes of dtype and shape; 100 MB: 12.5 MB packs.

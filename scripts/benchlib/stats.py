@@ -1,5 +1,5 @@
-"""The benchmark's statistics: throughput over the steady epochs, medians, step times, the ideal of a
-communication-bound step, and the steps_per_execution overhead fit."""
+"""The benchmark's statistics: throughput over the steady epochs, medians, step times, the bound and the
+ideal of a communication-bound step, and the steps_per_execution overhead fit."""
 
 from __future__ import annotations
 
@@ -54,6 +54,19 @@ def parse_rate(rate: str) -> float:
         if rate.endswith(unit):
             return float(rate[:-len(unit)]) * scale
     raise ValueError(f"unknown rate {rate!r}")
+
+
+BOUND_KEYS = ("t_forward_ms", "t_backward_ms", "t_comm_ms", "bound_ms")
+
+
+def bound_figures(runs: list[dict]) -> dict:
+    """The medians over runs of what comm_mlp.py --measure_bound reported (each run's own after its fit):
+    t_forward, t_backward, t_comm and bound = t_forward + max(t_backward, t_comm), and each run's bound."""
+    missing = [k for k in BOUND_KEYS if any(k not in m for m in runs)]
+    if missing:
+        raise RuntimeError(f"a bound-scored row's runs reported no {missing} (comm_mlp.py --measure_bound)")
+    figures = {k: round(statistics.median(m[k] for m in runs), 2) for k in BOUND_KEYS}
+    return {**figures, "bound_ms_per_run": [m["bound_ms"] for m in runs]}
 
 
 def ideal_step(compute_ms: float, gradient_bytes: int, link_rate: str, workers: int = 2) -> dict:

@@ -15,6 +15,8 @@ task's role and index; SIGINT/SIGTERM are forwarded; when one task fails the
 others are stopped and the launcher exits with the failing task's status and
 shows its last lines, or, with --max_restarts=N, relaunches the whole job --
 with --min_workers=M too, on the workers left after dropping the failed one.
+Several tasks on this machine split its cores (OMP_NUM_THREADS, TF_NUM_INTRAOP_THREADS,
+TF_NUM_INTEROP_THREADS; --threads_per_task).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 import sys
 from typing import Optional
 
-from tfdist.launcher import elastic, shaping
+from tfdist.launcher import elastic, shaping, threads
 from tfdist.launcher import hosts as hosts_lib
 from tfdist.cli import common
 from tfdist.errors import UserError
@@ -88,6 +90,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="Seconds to wait before each relaunch (default 10).")
     parser.add_argument("--grace_s", type=float, default=15.0,
                         help="Seconds the other tasks get to exit after one fails, before SIGKILL.")
+    parser.add_argument("--threads_per_task", default="auto",
+                        help="auto (default): when several tasks start on this machine, split its cores between "
+                             "them: each gets OMP_NUM_THREADS and TF_NUM_INTRAOP_THREADS = cores // tasks (at least "
+                             "1) and TF_NUM_INTEROP_THREADS = the same, at least 2 (tasks started over ssh are left "
+                             "as they are); N: N threads per task, on every host; off: set nothing (TensorFlow's "
+                             "defaults). A variable already set here or with --env is kept.")
     return parser.parse_args(own), command
 
 
@@ -142,6 +150,7 @@ def _check_numbers(args: argparse.Namespace, num_workers: int) -> None:
         raise UserError(f"--restart_backoff_s={args.restart_backoff_s} must be 0 or more.")
     if args.port is not None and not 0 <= args.port <= 65535:
         raise UserError(f"--port={args.port} must be a port number, 1-65535 (or 0: free ports).")
+    threads.parse(args.threads_per_task)
 
 
 def main(argv: list[str]) -> int:
@@ -199,7 +208,7 @@ def main(argv: list[str]) -> int:
         return Launcher(command, layout, grace_s=args.grace_s, restart_workers=args.restart_workers, task_env=env,
                         hosts=hosts, ssh=ssh, base_port=args.port or 0, max_restarts=args.max_restarts,
                         restart_backoff_s=args.restart_backoff_s, min_workers=args.min_workers,
-                        blacklist_after=args.blacklist_after).run()
+                        blacklist_after=args.blacklist_after, threads_per_task=args.threads_per_task).run()
     if args.network != "host":
         try:
             isolate_network()
@@ -219,7 +228,7 @@ def main(argv: list[str]) -> int:
     return Launcher(command, layout, grace_s=args.grace_s, restart_workers=args.restart_workers, task_env=env,
                     base_port=args.port or 0, max_restarts=args.max_restarts,
                     restart_backoff_s=args.restart_backoff_s, min_workers=args.min_workers,
-                    blacklist_after=args.blacklist_after).run()
+                    blacklist_after=args.blacklist_after, threads_per_task=args.threads_per_task).run()
 
 
 def run() -> None:

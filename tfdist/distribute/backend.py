@@ -31,6 +31,21 @@ def tf_variable(variable: Any) -> Any:
     return getattr(variable, "value", variable)
 
 
+# tfdist's all-reduce packs: about PACKS a step, each MIN_PACK_BYTES to MAX_PACK_BYTES. Small packs let the
+# first all-reduce start while the backward pass runs; MWMS chains its collectives, each paying the ring's
+# latency, so a large model gets larger packs, not more (docs/benchmarks.md, overlap).
+PACKS, MIN_PACK_BYTES, MAX_PACK_BYTES = 8, 4 * 2**20, 64 * 2**20
+
+
+def pack_bytes(tensors: Sequence[Any]) -> int:
+    """The pack size for one step's gradients: an eighth of their bytes, within 4 to 64 MB."""
+    total = 0
+    for t in tensors:
+        if isinstance(t, tf.Tensor) and t.shape.is_fully_defined():
+            total += t.shape.num_elements() * t.dtype.size
+    return int(min(MAX_PACK_BYTES, max(MIN_PACK_BYTES, total // PACKS)))
+
+
 # How long the coordination-service leader waits at exit for the other tasks to exit.
 LEADER_EXIT_WAIT_S = 60.0
 # How long a task of a synchronous multi-worker job waits at exit for the others to finish their work.
@@ -63,6 +78,8 @@ class Backend:
     # (`sum_rows`): MirroredStrategy's cross-device reductions (nccl, hierarchical_copy, reduce_to_one) do;
     # collective ops (its default, MultiWorkerMirrored's) keep an execution's first shape and abort on another.
     varying_shapes: bool = False
+    # Whether the all-reduce's pack size is tfdist's to choose (MWMS without --all_reduce_pack_mb): `pack_bytes`.
+    auto_pack: bool = False
 
     # What `tfdist.make_strategy` returns: the tf.distribute strategy itself.
     @property
@@ -126,7 +143,10 @@ class Backend:
         if context is None or not present or self.num_replicas == 1:
             return [summed.get(i, g) for i, g in enumerate(grads)]
         sent = compress(present, self.gradient_dtype)
-        reduced = iter(decompress(context.all_reduce(tf.distribute.ReduceOp.SUM, sent), present))
+        options = None
+        if self.auto_pack:  # Packs sent last layers first (TensorFlow reverses the list): overlap the backward.
+            options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=pack_bytes(sent))
+        reduced = iter(decompress(context.all_reduce(tf.distribute.ReduceOp.SUM, sent, options=options), present))
         return [summed[i] if i in summed else None if g is None else next(reduced) for i, g in enumerate(grads)]
 
     # What a sharded optimizer state needs (`tfdist.training.zero`) ------------------------------
@@ -187,14 +207,17 @@ class Backend:
     def compile(self, fn: Callable) -> Callable:
         return tf.function(fn)
 
-    def apply_step(self, apply: Callable[[], Any], counter: tf.Variable, ready: Sequence[Any] = ()) -> None:
-        """Applies one replica step's updates (`apply`) and counts the step in `counter` (compiled, per replica).
+    def apply_step(self, apply: Callable[[list], Any], counter: tf.Variable, ready: Sequence[Any] = (),
+                   variables: Sequence[Any] = ()) -> None:
+        """Applies one replica step's updates (`apply(ready)`) and counts the step in `counter` (compiled, per
+        replica).
 
-        `ready`: the step's gradients (None entries allowed). The parameter-server
+        `ready`: the step's gradients (None entries allowed), of `variables`. The parameter-server
         backend overrides it: there an execution may run again on another worker,
-        and it applies only the steps not yet applied, deciding once `ready` is.
+        and it applies only the steps not yet applied, deciding once `ready` is; `apply` gets the
+        gradients as copied to their variables' ps.
         """
-        apply()
+        apply(list(ready))
         counter.assign_add(1)
 
     def claim(self, ready: Sequence[Any] = ()) -> Any:

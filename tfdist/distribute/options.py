@@ -39,7 +39,7 @@ class StrategyOptions:
     ps_shards: Optional[int] = None
     precision: Optional[str] = KEEP_PRECISION
     all_reduce_dtype: str = "float32"
-    all_reduce_pack_mb: float = 0.0
+    all_reduce_pack_mb: Optional[float] = None  # None: each step's (backend.pack_bytes); 0: one pack (TensorFlow's).
 
     @classmethod
     def of(cls, source: Any) -> "StrategyOptions":
@@ -55,9 +55,9 @@ class StrategyOptions:
         if self.precision is not KEEP_PRECISION:
             choice("precision", self.precision, PRECISIONS)
         choice("all_reduce_dtype", self.all_reduce_dtype, ("float32", "bfloat16"))
-        if self.all_reduce_pack_mb < 0:
-            raise UserError(f"--all_reduce_pack_mb={self.all_reduce_pack_mb} must be 0 (TensorFlow's default "
-                            "packing) or a positive size in MB, e.g. 32.")
+        if self.all_reduce_pack_mb is not None and self.all_reduce_pack_mb < 0:
+            raise UserError(f"--all_reduce_pack_mb={self.all_reduce_pack_mb} must be 0 (one pack: TensorFlow's "
+                            "default) or a positive size in MB, e.g. 4; leave it unset for tfdist's choice.")
         if self.hvd_compression is not None:
             choice("hvd_compression", self.hvd_compression, ("none", "fp16"))
         if self.hvd_op is not None:

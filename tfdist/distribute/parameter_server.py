@@ -25,8 +25,17 @@ the ps) once its gradients are ready and applies its updates (and counts
 itself in the step counter) only if its claim is within the count. A re-run
 thus applies only the steps the dead worker had not claimed, and the steps
 applied equal the steps counted. What is left: a worker killed between its
-claim and the end of that step's updates (one ps round trip) leaves that one
-step unapplied or partly applied.
+claim and the end of that step's updates leaves that one step unapplied or
+partly applied.
+
+The claim costs no round trip of its own: each gradient is copied to its
+variable's ps as soon as it is ready (`_staged`), the claim and the cond run on
+the ps holding the slots, and only the claim's answer travels from there to
+the other ps tasks. Left on the worker, a gradient waited for the answer (a
+lowered cond's Switch sits with its input) and only then left: two trips a
+step, the small one queued on a busy link behind the other workers' transfers.
+A custom train_step's updates (`claim`, `when_claimed`) are not staged: their
+gradients still wait on the worker for the answer.
 """
 
 from __future__ import annotations
@@ -155,10 +164,36 @@ class ProgressSlots:
             raise tf.errors.UnavailableError(None, None, f"The parameter server {self.variable.device} (progress "
                                                          f"slots) is unreachable: {e.message}") from e
 
+    def on_ps(self) -> Any:
+        """A device scope on the ps holding the slots (compiled): claims and their conds run there."""
+        return tf.device(self.variable.device)
+
     def claim(self, slot: tf.Tensor) -> tf.Tensor:
         """Claims one step of the execution in `slot` (compiled); True where it is the step's to apply."""
         one = tf.IndexedSlices(tf.ones([1], tf.int64), tf.reshape(slot, [1]))
         return tf.gather(self.variable.scatter_add(one), slot) <= 0
+
+
+def _staged(grads: Sequence[Any], variables: Sequence[Any]) -> list:
+    """Each gradient copied to its variable's ps as soon as it is ready (compiled; None stays None).
+
+    TensorFlow lowers a cond into Switch ops placed with their inputs: a gradient
+    left on the worker would wait there for the claim's answer and only then
+    travel. Staged on the ps, it travels while the claim is made, the updates
+    (colocated with their variables) read it there, and only the claim's
+    answer goes from the slots' ps to the others.
+    """
+    staged = list(grads)
+    for i, (grad, variable) in enumerate(zip(grads, variables)):
+        if grad is not None:
+            with tf.device(tf_variable(variable).device):
+                staged[i] = tf.nest.map_structure(tf.identity, grad, expand_composites=True)
+    return staged
+
+
+def _after(ready: Sequence[Any]) -> Any:
+    """Control dependencies on a step's gradients (None entries and composite tensors allowed)."""
+    return tf.control_dependencies(tf.nest.flatten([g for g in ready if g is not None], expand_composites=True))
 
 
 class SlottedFunction:
@@ -216,30 +251,33 @@ class ParameterServerBackend(Backend):
     def compile(self, fn: Callable) -> Callable:
         return SlottedFunction(fn, self)
 
-    def apply_step(self, apply: Callable[[], Any], counter: tf.Variable, ready: Sequence[Any] = ()) -> None:
+    def apply_step(self, apply: Callable[[list], Any], counter: tf.Variable, ready: Sequence[Any] = (),
+                   variables: Sequence[Any] = ()) -> None:
         tracing = self._tracing
         if tracing is None:  # Not a scheduled execution.
-            return super().apply_step(apply, counter, ready)
+            return super().apply_step(apply, counter, ready, variables)
         slots, slot = tracing
         strategy = self.strategy
         if strategy.num_replicas_in_sync != 1:
             raise UserError(f"tfdist's parameter-server path runs one replica per worker; this strategy has "
                             f"{strategy.num_replicas_in_sync}. Give each worker one device (CUDA_VISIBLE_DEVICES).")
 
+        staged = _staged(ready, variables)
+
         def step() -> None:
             # Inside a cond branch the strategy's own replica context refuses the optimizer's
             # merge_call (tf.distribute's mirrored_run); with one replica per worker the plain
             # replica context does what it would do: run the update in cross-replica context.
             with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
-                apply()
+                apply(staged)
             counter.assign_add(1)
 
-        # The claim waits for the gradients: nothing else orders it after the step's input and
-        # forward pass, and a claim made while a worker still waits for its batch is a step lost
-        # with that worker. What is left: the ps round trip from the claim to the updates.
-        with tf.control_dependencies(tf.nest.flatten([g for g in ready if g is not None], expand_composites=True)):
-            claimed = slots.claim(slot)
-        tf.cond(claimed, step, lambda: None)
+        # The claim waits for the gradients, arrived on their ps (`_staged`): nothing else orders it
+        # after the step's input and forward pass, and once it is made the updates need nothing
+        # more from the worker (a claim made while a worker still waits for its batch, or still
+        # sends its gradients, is a step lost with that worker).
+        with slots.on_ps(), _after(staged):
+            tf.cond(slots.claim(slot), step, lambda: None)
 
     def claim(self, ready: Sequence[Any] = ()) -> Any:
         """A custom step's claim (made once, when its first gradients are ready), as `apply_step` claims."""
@@ -247,7 +285,7 @@ class ParameterServerBackend(Backend):
         if tracing is None:
             return None
         slots, slot = tracing
-        with tf.control_dependencies(tf.nest.flatten([g for g in ready if g is not None], expand_composites=True)):
+        with slots.on_ps(), _after(ready):
             return slots.claim(slot)
 
     def when_claimed(self, claimed: Any, fn: Callable[[], Any]) -> None:
@@ -260,7 +298,8 @@ class ParameterServerBackend(Backend):
             with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):  # As in `apply_step`.
                 fn()
 
-        tf.cond(claimed, run, lambda: None)
+        with tf.device(claimed.device):  # On the ps that claimed, as in `apply_step`.
+            tf.cond(claimed, run, lambda: None)
 
     def dispatch(self, compiled: Callable, iterator: Any, num_steps: Any, *args: Any) -> Any:
         """Schedules a training execution of `num_steps` steps in a progress slot of its own."""

@@ -267,7 +267,7 @@ def _multi_worker_mirrored(config: StrategyOptions) -> Backend:
     if config.all_reduce == "nccl" and not _gpus():
         raise UserError("--all_reduce=nccl needs GPUs and this machine has none; use ring or auto.")
     options = tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=int(config.all_reduce_pack_mb * 2**20),
+        bytes_per_pack=int((config.all_reduce_pack_mb or 0) * 2**20),  # None: each step's, `backend.pack_bytes`.
         implementation=implementation,
         timeout_seconds=config.collective_timeout_s or None,
     )
@@ -277,7 +277,7 @@ def _multi_worker_mirrored(config: StrategyOptions) -> Backend:
     return Backend("multi_worker_mirrored", strategy, _device_kind(), cluster=info, all_tasks_save=True,
                    description=f"MultiWorkerMirroredStrategy, {max(1, info.num_workers)} worker(s), "
                                f"task {info.label}, all-reduce {config.all_reduce}",
-                   gpu_compute_capability=gpu_compute_capability())
+                   gpu_compute_capability=gpu_compute_capability(), auto_pack=config.all_reduce_pack_mb is None)
 
 
 @register("parameter_server")

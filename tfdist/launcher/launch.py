@@ -9,8 +9,9 @@ then SIGKILL after a grace period) and reports the failing task's exit status
 and last lines. With `max_restarts`, a failed job is torn down and relaunched
 whole, with the same command, up to that many times; with `min_workers` too
 (elastic), each relaunch drops the slots or hosts that failed too often and
-runs on the workers left (`tfdist.launcher.elastic`). It never changes its own
-environment: each child gets its own copy.
+runs on the workers left (`tfdist.launcher.elastic`). Several tasks on this
+machine split its cores (`tfdist.launcher.threads`), counted again at every start.
+It never changes its own environment: each child gets its own copy.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import threading
 import time
 from typing import Optional, Sequence, TextIO
 
-from tfdist.launcher import elastic
+from tfdist.launcher import elastic, threads
 from tfdist.launcher import hosts as hosts_lib
 from tfdist.errors import UserError, one_paragraph
 from tfdist.launcher.chief_led import ChiefLedWaiting
@@ -60,6 +61,7 @@ class Launcher(ChiefLedWaiting):
         min_workers: Optional[int] = None,
         blacklist_after: int = 1,
         settle_s: float = 3.0,
+        threads_per_task: threads.Setting = "auto",
     ):
         if not command:
             raise UserError("No command to launch; put it after --, e.g. tfdist-launch --num_workers=2 -- tfdist-train.")
@@ -78,6 +80,9 @@ class Launcher(ChiefLedWaiting):
         self.placement = hosts_lib.place(hosts, len(self.layout.roles())) if hosts else None
         self.ssh = ssh or SshConfig()
         self.base_port = base_port
+        self.threads_per_task = threads.parse(threads_per_task)
+        self.thread_env: dict[str, str] = {}  # This launch's thread budget per task (`_budget_threads`).
+        self._threads_line: Optional[str] = None
         if max_restarts < 0:
             raise UserError(f"--max_restarts={max_restarts} must be 0 or more (0: no restarts).")
         self.max_restarts = max_restarts
@@ -122,15 +127,29 @@ class Launcher(ChiefLedWaiting):
     def start(self) -> None:
         self.cluster = cluster_spec(self.layout, self._addresses())
         self._print(f"tfdist-launch: cluster {json.dumps(self.cluster)}\n")
+        self._budget_threads()
         for i, (role, index) in enumerate(self.layout.roles()):
             if self._signal is not None:  # Ctrl-C while starting: the tasks not yet started never are.
                 self._signal_all(signal.SIGTERM, [t for t in self._targets() if t not in self._signalled])
                 return
             self.tasks.append(self._spawn(role, index, self.placement[i] if self.placement else None))
 
+    def _budget_threads(self) -> None:
+        """Sets `thread_env` for the tasks of this launch (an elastic relaunch counts them again) and says what it
+        is, once, and again only when a relaunch changes it."""
+        if self.placement is None:  # Here, what the tasks inherit from the launcher is the user's too.
+            budget = threads.local(self.threads_per_task, len(self.layout.roles()), {*self.env, *self.task_env})
+        else:  # Over ssh the tasks get only --env from here.
+            budget = threads.remote(self.threads_per_task, self.placement, set(self.task_env))
+        self.thread_env = budget.env
+        if budget.line is not None and budget.line != self._threads_line:
+            self._print(budget.line + "\n")
+        self._threads_line = budget.line
+
     def _spawn(self, role: str, index: int, host: Optional[str] = None) -> _Task:
         label = f"{role}:{index}"
-        task_env = dict(self.task_env, TF_CONFIG=tf_config(self.cluster, role, index), PYTHONUNBUFFERED="1")
+        task_env = {**self.thread_env, **self.task_env, "TF_CONFIG": tf_config(self.cluster, role, index),
+                    "PYTHONUNBUFFERED": "1"}
         if host is None:
             command, env, stdin = self.command, dict(self.env, **task_env), subprocess.DEVNULL
         else:

@@ -45,7 +45,8 @@ def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Va
     optimizer, variables = model.optimizer, model.trainable_variables
     with optimizer_hooks(model, backend):  # Entered while this is traced, left before it returns.
         # The update and the step count (parameter servers: only a step no earlier run claimed).
-        backend.apply_step(lambda: optimizer.apply(grads, variables), step_counter, ready=grads)
+        backend.apply_step(lambda ready: optimizer.apply(ready, variables), step_counter, ready=grads,
+                           variables=variables)
     return nonfinite
 
 
@@ -60,7 +61,7 @@ def _apply_sharded(zero: Any, backend: Backend, grads: list, step_counter: tf.Va
     if not reduced:
         grads = zero.keep_owned(grads)
     finite = []
-    backend.apply_step(lambda: finite.append(zero.apply(grads, present)), step_counter)
+    backend.apply_step(lambda _: finite.append(zero.apply(grads, present)), step_counter)
     return 1.0 - tf.cast(finite[0], tf.float32)
 
 
