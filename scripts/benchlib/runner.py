@@ -140,7 +140,7 @@ def measure(row: Row, repeats: int, run: Callable[[Side], dict] = run_side) -> d
         result["extra"] = extra_mwms(row, a_runs, repeats, run)
     if row.group == "comm":
         result["extra"] = extra_comm(row, a_runs, b_runs)
-    scored = result["extra"]["bound_ms"] / stats.median_step_ms(a_runs) if row.score == "bound" else ratio
+    scored = result["extra"]["bound_over_measured"] if row.score == "bound" else ratio
     result["scored"] = round(scored, 3)
     result["target_met"] = stats.target_met(row.target, scored)
     return result
