@@ -14,6 +14,7 @@ import time
 
 import pytest
 import tensorflow as tf
+from tensorflow.python.distribute.coordinator import values as coordinator_values
 
 from tests.conftest import run_module
 from tests.test_launch import Job, alive, latest_checkpoint_step
@@ -211,3 +212,38 @@ def test_gradients_are_staged_on_their_variables_devices_before_the_claim():
     stage.get_concrete_function(tf.TensorSpec([4, 2], tf.float32))
     assert seen["devices"] == [devices[0], devices[1], devices[1]]
     assert seen["kinds"] == ["SymbolicTensor", "IndexedSlices", "NoneType"]
+
+
+class _ClearedWhileFetched(coordinator_values.RemoteValueImpl):
+    """TensorFlow's RemoteValue, its worker thread failing to copy the finished result back (`_set_error`)
+    between the chief's wait and its read: the interleaving that handed the chief no value (CI, a relaunch)."""
+
+    def __init__(self, error):
+        super().__init__(None, None)
+        self._set_values(tf.zeros([3]))
+        self.late_error = error
+
+    def _wait_and_maybe_error(self):
+        super()._wait_and_maybe_error()
+        self._set_error(self.late_error)
+
+
+def _chief_backend():
+    backend = object.__new__(parameter_server.ParameterServerBackend)
+    backend._in_flight = {}
+    return backend
+
+
+def test_a_result_lost_after_the_function_finished_counts_its_steps_or_fails_as_its_error():
+    worker_lost = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:1: Socket closed")
+    handle = _ClearedWhileFetched(worker_lost)
+    assert handle.fetch() is None  # TensorFlow's own fetch: no value, no error.
+    backend, released = _chief_backend(), []
+    slots = type("Slots", (), {"release": lambda self, slot: released.append(slot) or 0})()
+    handle = _ClearedWhileFetched(worker_lost)
+    backend._in_flight[id(handle)] = (handle, slots, 2)
+    assert backend.fetch(handle) is None and released == [2]  # The controller counts the steps, no sums.
+    for error in (tf.errors.UnavailableError(None, None, "/job:ps/replica:0/task:0: Connection reset"),
+                  tf.errors.InvalidArgumentError(None, None, "/job:worker/replica:0/task:0: bad input")):
+        with pytest.raises(type(error), match="task:0"):
+            backend.fetch(_ClearedWhileFetched(error))

@@ -326,21 +326,33 @@ class ParameterServerBackend(Backend):
 
     def fetch(self, handle: Any) -> "np.ndarray | None":
         try:
-            result = np.asarray(handle.fetch())
-            self._finished(handle)
-            return result
+            result = handle.fetch()
         except tf.errors.UnavailableError as e:
-            # The coordinator re-runs a function whose worker died before finishing
-            # it, so a failure here means the function finished and its result was
-            # lost with its worker before it could be copied: the steps happened,
-            # their loss/accuracy sums did not survive. A lost ps is a real failure.
-            text = e.message or str(e)
-            if "/job:ps/" in text or "/job:worker/" not in text:
-                raise
-            logging.warning("A worker died holding the loss/accuracy of steps it had finished; those steps "
-                            "count, their metrics are left out of this epoch's averages.")
-            self._finished(handle)
-            return None
+            return self._lost(handle, e)
+        if result is None:
+            # Every execution returns its totals, so no value means the function finished and its
+            # result was then lost: TensorFlow's coordinator clears a finished RemoteValue when copying
+            # it back fails, and a fetch already under way returns nothing rather than the error.
+            error = getattr(handle, "_get_error", lambda: None)()
+            return self._lost(handle, error if error is not None else tf.errors.UnavailableError(
+                None, None, "/job:worker/ result lost after the function finished"))
+        self._finished(handle)
+        return np.asarray(result)
+
+    def _lost(self, handle: Any, error: Exception) -> None:
+        """A finished execution whose result did not reach the chief: None, or `error` where it is fatal.
+
+        The coordinator re-runs a function whose worker died before finishing it, so a failure here means
+        the function finished and its result was lost with its worker before it could be copied: the steps
+        happened, their loss/accuracy sums did not survive. A lost ps (or any other error) is a real failure.
+        """
+        text = getattr(error, "message", None) or str(error)
+        if not isinstance(error, tf.errors.UnavailableError) or "/job:ps/" in text or "/job:worker/" not in text:
+            raise error
+        logging.warning("A worker died holding the loss/accuracy of steps it had finished; those steps "
+                        "count, their metrics are left out of this epoch's averages.")
+        self._finished(handle)
+        return None
 
     def abandon(self, handle: Any, wait: bool) -> None:
         """Scheduled functions finish on the workers; the chief does not wait for them (nor reuses their slots)."""
