@@ -212,3 +212,16 @@ def test_sigterm_saves_then_resumes(tmp_path):
     assert f"at step {step}." in result.stderr
     metrics = json.loads((tmp_path / "w" / "metrics.json").read_text())
     assert (metrics["resumed_from_step"], metrics["steps"]) == (step, 310)
+
+
+@pytest.mark.parametrize("text, named", [
+    ("From /job:worker/replica:0/task:1: failed to connect to /job:ps/replica:0/task:0", "/job:ps/replica:0/task:0"),
+    ("Socket closed /job:worker/replica:0/task:1", "/job:worker/replica:0/task:1"),
+    ("Socket closed", "another task of the job"),
+])
+def test_a_lost_peer_is_named_and_a_lost_ps_before_the_worker_that_could_not_reach_it(text, named):
+    from tfdist.cli.train import describe_lost_peer
+    import tensorflow as tf
+
+    said = describe_lost_peer(tf.errors.UnavailableError(None, None, text))
+    assert said.startswith(f"lost contact with {'task ' if named.startswith('/') else ''}{named} (UnavailableError: ")

@@ -134,7 +134,8 @@ def describe_lost_peer(error: Exception) -> str:
     import re
 
     text = getattr(error, "message", "") or str(error)
-    task = re.search(r"(/job:[a-z]+/replica:\d+/task:\d+)", text)
+    # A worker that could not reach a lost ps names itself first: the ps is the one lost.
+    task = re.search(r"(/job:ps/replica:\d+/task:\d+)", text) or re.search(r"(/job:[a-z]+/replica:\d+/task:\d+)", text)
     detail = next((line.strip() for line in text.splitlines() if "grpc_message" in line or "Socket closed" in line
                    or "failed to connect" in line.lower()), text.strip().splitlines()[0] if text.strip() else "")
     where = f"task {task.group(1)}" if task else "another task of the job"
