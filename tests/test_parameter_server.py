@@ -245,6 +245,8 @@ def test_a_result_lost_after_the_function_finished_counts_its_steps_or_fails_as_
     handle = _ClearedWhileFetched(worker_lost)
     backend._in_flight[id(handle)] = (handle, slots, 2)
     assert backend.fetch(handle) is None and released == [2]  # The controller counts the steps, no sums.
+    no_error = type("Cleared", (), {"fetch": lambda self: None, "_get_error": lambda self: None})()
+    assert backend.fetch(no_error) is None  # Read between clearing the value and setting the error: the same.
     for error in (tf.errors.UnavailableError(None, None, "/job:ps/replica:0/task:0: Connection reset"),
                   tf.errors.InvalidArgumentError(None, None, "/job:worker/replica:0/task:0: bad input")):
         with pytest.raises(type(error), match="task:0"):

@@ -39,10 +39,8 @@ PACKS, MIN_PACK_BYTES, MAX_PACK_BYTES = 8, 4 * 2**20, 64 * 2**20
 
 def pack_bytes(tensors: Sequence[Any]) -> int:
     """The pack size for one step's gradients: an eighth of their bytes, within 4 to 64 MB."""
-    total = 0
-    for t in tensors:
-        if isinstance(t, tf.Tensor) and t.shape.is_fully_defined():
-            total += t.shape.num_elements() * t.dtype.size
+    total = sum(t.shape.num_elements() * t.dtype.size for t in tensors
+                if isinstance(t, tf.Tensor) and t.shape.is_fully_defined())
     return int(min(MAX_PACK_BYTES, max(MIN_PACK_BYTES, total // PACKS)))
 
 

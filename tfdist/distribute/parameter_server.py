@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -333,21 +333,20 @@ class ParameterServerBackend(Backend):
             # Every execution returns its totals, so no value means the function finished and its
             # result was then lost: TensorFlow's coordinator clears a finished RemoteValue when copying
             # it back fails, and a fetch already under way returns nothing rather than the error.
-            error = getattr(handle, "_get_error", lambda: None)()
-            return self._lost(handle, error if error is not None else tf.errors.UnavailableError(
-                None, None, "/job:worker/ result lost after the function finished"))
+            return self._lost(handle, getattr(handle, "_get_error", lambda: None)())
         self._finished(handle)
         return np.asarray(result)
 
-    def _lost(self, handle: Any, error: Exception) -> None:
+    def _lost(self, handle: Any, error: Optional[Exception]) -> None:
         """A finished execution whose result did not reach the chief: None, or `error` where it is fatal.
 
         The coordinator re-runs a function whose worker died before finishing it, so a failure here means
         the function finished and its result was lost with its worker before it could be copied: the steps
         happened, their loss/accuracy sums did not survive. A lost ps (or any other error) is a real failure.
         """
-        text = getattr(error, "message", None) or str(error)
-        if not isinstance(error, tf.errors.UnavailableError) or "/job:ps/" in text or "/job:worker/" not in text:
+        text = "" if error is None else getattr(error, "message", None) or str(error)
+        if error is not None and (not isinstance(error, tf.errors.UnavailableError) or "/job:ps/" in text
+                                  or "/job:worker/" not in text):
             raise error
         logging.warning("A worker died holding the loss/accuracy of steps it had finished; those steps "
                         "count, their metrics are left out of this epoch's averages.")
