@@ -12,6 +12,12 @@ Sessions:
                         those marked `keras_internals` (the TensorFlow/Keras
                         internals tfdist's step relies on), not `jobs`. Everything
                         else runs once, in tests-tf2.21.
+  keras-conformance     not in the default sessions: Keras' own test files through tfdist in full
+                        (tests/test_keras_conformance.py with KERAS_CONFORMANCE_CAP=all). CI's
+                        tests-tf2.21 runs the trainer/callback files whole and each broad file
+                        (models, layers, optimizers, metrics, saving, ...) only up to its first
+                        few tests that call fit/evaluate/predict; this session runs the rest too
+                        (about AN hour on 2 cores) and checks the README's count.
 
 CI's budget: `bash .ci/run` (both sessions, Horovod's build included) within 45 minutes on a
 2-core machine (its hard limit is 90); measured 2026-12-04 from a clean clone: see the README.
@@ -74,6 +80,13 @@ def tests_tf221(session: nox.Session) -> None:
     # keras pinned: tests/keras_conformance/known_failures.txt lists Keras 3.15.1's own test ids.
     session.install("tensorflow==2.21.0", "tf_keras==2.21.0", "keras==3.15.1", "-e", ".[test,bench]")
     session.run(*PYTEST, *session.posargs)
+
+
+@nox.session(name="keras-conformance")
+def keras_conformance(session: nox.Session) -> None:
+    session.install("tensorflow==2.21.0", "keras==3.15.1", "-e", ".[test]")
+    session.run("pytest", "-p", "no:xdist", "-v", "tests/test_keras_conformance.py", *session.posargs,
+                env={"KERAS_CONFORMANCE_CAP": "all"})
 
 
 @nox.session(name="tests-tf2.18-horovod")

@@ -331,12 +331,12 @@ def test_bfloat16_all_reduce_is_close_to_float32_but_really_compressed():
         tfdist.make_strategy("default", all_reduce_dtype="bfloat16")
 
 
-def test_a_diverging_run_stops_with_one_paragraph_counting_steps():
+def test_a_diverging_run_stops_with_one_paragraph_counting_steps_when_asked():
     strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
     with strategy.scope():
         model = dense_model(optimizer=keras.optimizers.SGD(1e12))
     with pytest.raises(tfdist.UserError) as error:
-        tfdist.fit(model, X, Y, batch_size=64, epochs=1, steps_per_execution=4, verbose=0)
+        tfdist.fit(model, X, Y, batch_size=64, epochs=1, steps_per_execution=4, verbose=0, stop_on_nonfinite=True)
     message = str(error.value)
     count, step = re.search(r"non-finite \(NaN or inf\) in (\d+) of the steps up to step (\d+)", message).groups()
     assert 1 <= int(count) <= 4 and int(step) % 4 == 0, message  # Steps, not replica-steps.

@@ -1,24 +1,32 @@
 """Keras' own fit/evaluate/predict tests, run through tfdist on 2 CPU replicas (the conformance run).
 
-Two subprocesses run the Keras test files named in tests/keras_conformance/plugin.py (FILES) from the installed
-keras package, with the plugin tests/keras_conformance/plugin.py: baseline (Keras as it is) and tfdist (every
-`fit`, `evaluate` and `predict` call routed to `tfdist.fit`, `tfdist.evaluate`, `tfdist.predict` under a
-2-replica MirroredStrategy). Each writes a JSON file of outcomes per Keras test id. This test then holds that
+Two subprocesses run Keras test files from the installed keras package (tests/keras_conformance/files.py: FILES,
+the trainer, callback and tf.data adapter tests, and the broad set: models, layers, optimizers, metrics, saving,
+distillation, the TensorFlow backend), with the plugin tests/keras_conformance/plugin.py: baseline (Keras as it
+is) and tfdist (every `fit`, `evaluate`, `predict`, `test_on_batch` and `predict_on_batch` call, and
+`train_on_batch` where tfdist has it, routed to tfdist's function of that name under a 2-replica
+MirroredStrategy). Each writes a JSON file of outcomes per Keras test id. This test then holds that, of the
+judged tests (every test of FILES; of a broad file, those that call one of those methods in baseline),
 
   - every Keras test that passes in baseline passes through tfdist, or is listed, with its reason, in
     tests/keras_conformance/known_failures.txt (`<test id>  # <category>: <reason>`);
   - every listed test still fails through tfdist (one that passes now must leave the list) and still passes in
     baseline (a renamed or removed Keras test must leave it too);
-  - the routing really happened: Keras' own fit/evaluate/predict never ran in the tfdist mode, every baseline test
-    that called them called tfdist instead, and the strategy's scope was in force at every call;
+  - the routing really happened: Keras' own methods never ran in the tfdist mode, every baseline test that
+    called them called tfdist instead, and the strategy's scope was in force at every call;
+  - every file ran tests in both modes, and some test of it called one of those methods;
 
-and reports "N of M of Keras' own fit tests pass through tfdist on 2 replicas" (M: the baseline passes that call
-fit, evaluate or predict). The two runs go side by side (about 1.5 and 3 minutes of one core each).
+and reports "N of M of Keras' own fit tests pass through tfdist on 2 replicas" (M: the judged baseline passes
+that call those methods). CI (KERAS_CONFORMANCE_CAP unset: DEFAULT_CAP) runs FILES whole and each broad file up
+to its DEFAULT_CAP-th calling test (plugin.py's --keras-conformance-cap); `nox -s keras-conformance`
+(KERAS_CONFORMANCE_CAP=all) runs every test and then also checks that the README states the count.
 
-By hand (the same commands):
-  python -m pytest -p tests.keras_conformance.plugin -p no:cacheprovider -q --keras-conformance=tfdist \\
+By hand (the same commands; `strategy` instead of `tfdist` runs Keras' own methods under the same strategy, to
+tell a harness failure from a tfdist one):
+  python -m pytest -p tests.keras_conformance.plugin -p no:cacheprovider -p no:xdist -q --keras-conformance=tfdist \\
       --keras-conformance-results=/tmp/tfdist.json $(python -m tests.keras_conformance.plugin files)
   python -m tests.keras_conformance.plugin draft /tmp/baseline.json /tmp/tfdist.json   # known-failure lines
+  python -m tests.keras_conformance.plugin mechanisms /tmp/baseline.json /tmp/tfdist.json  # by tfdist frame
 """
 
 from __future__ import annotations
@@ -29,35 +37,48 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import pytest
 
 from tests.conftest import REPO, subprocess_env
-from tests.keras_conformance import plugin
+from tests.keras_conformance import files, limits, plugin, results
 
 KNOWN_FAILURES = os.path.join(REPO, "tests", "keras_conformance", "known_failures.txt")
-RUN_TIMEOUT_S = 900  # Each mode; about 220 s alone, 490 s beside a CI run on 2 cores.
+# CI caps each broad file at CAP tests that call fit/evaluate/predict (plugin.py); KERAS_CONFORMANCE_CAP=all (the
+# nox session keras-conformance) runs every test, and only that full run checks the README's count.
+CAP_ENV = "KERAS_CONFORMANCE_CAP"
+DEFAULT_CAP = 2
+RUN_TIMEOUT_S = {True: 900, False: 7200}  # Each mode, capped (CI) or full.
 
 
-def _command(mode: str, results: str) -> list[str]:
-    keras_dir = plugin.keras_dir()
+def _cap() -> Optional[int]:
+    value = os.environ.get(CAP_ENV, str(DEFAULT_CAP)).strip().lower()
+    return None if value in ("all", "none", "0", "") else int(value)
+
+
+def _command(mode: str, results_path: str, cap: Optional[int]) -> list[str]:
+    keras_dir = files.keras_dir()
     return [sys.executable, "-m", "pytest", "-p", "tests.keras_conformance.plugin", "-p", "no:cacheprovider",
-            "-p", "no:warnings", "-q", "--tb=short", "--confcutdir", keras_dir,
-            f"--keras-conformance={mode}", f"--keras-conformance-results={results}", *plugin.keras_test_files()]
+            "-p", "no:warnings", "-p", "no:xdist", "-q", "--tb=short", "--confcutdir", keras_dir,
+            f"--keras-conformance={mode}", f"--keras-conformance-results={results_path}",
+            *([f"--keras-conformance-cap={cap}"] if cap is not None else []), *files.keras_test_files()]
 
 
-def _start(mode: str, tmp_path) -> tuple[subprocess.Popen, str, str, float]:
-    results, log = str(tmp_path / f"{mode}.json"), str(tmp_path / f"{mode}.log")
+def _start(mode: str, tmp_path, cap: Optional[int]) -> tuple[subprocess.Popen, str, str, float, float]:
+    results_path, log = str(tmp_path / f"{mode}.json"), str(tmp_path / f"{mode}.log")
     env = subprocess_env({"KERAS_BACKEND": "tensorflow"})
     env.pop("PYTEST_ADDOPTS", None)
     with open(log, "w") as out:
-        process = subprocess.Popen(_command(mode, results), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    return process, results, log, time.time()
+        process = subprocess.Popen(_command(mode, results_path, cap), stdout=out, stderr=subprocess.STDOUT,
+                                   env=env, cwd=REPO)
+    return process, results_path, log, time.time(), RUN_TIMEOUT_S[cap is not None]
 
 
-def _finish(mode: str, process: subprocess.Popen, results: str, log: str, started: float) -> tuple[dict, float]:
+def _finish(mode: str, process: subprocess.Popen, results_path: str, log: str, started: float,
+            timeout: float) -> tuple[dict, float]:
     try:
-        code = process.wait(timeout=max(1.0, RUN_TIMEOUT_S - (time.time() - started)))
+        code = process.wait(timeout=max(1.0, timeout - (time.time() - started)))
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
@@ -66,14 +87,14 @@ def _finish(mode: str, process: subprocess.Popen, results: str, log: str, starte
     with open(log) as f:
         tail = f.read()[-6000:]
     data = None
-    if os.path.exists(results):
-        with open(results) as f:
+    if os.path.exists(results_path):
+        with open(results_path) as f:
             data = json.load(f)
     if code is None:
-        pytest.fail(f"The {mode} run of Keras' tests took more than {RUN_TIMEOUT_S} s.\n{tail}")
-    if code == plugin.EXIT_KILLED and data is not None:
+        pytest.fail(f"The {mode} run of Keras' tests took more than {timeout:.0f} s.\n{tail}")
+    if code == limits.EXIT_KILLED and data is not None:
         pytest.fail(f"The {mode} run of Keras' tests was stopped: {data.get('killed')} (a test that neither ended "
-                    f"nor gave way to the plugin's limit; its results so far are in {results}).\n{tail}")
+                    f"nor gave way to the plugin's limit; its results so far are in {results_path}).\n{tail}")
     if code not in (0, 1) or data is None:  # 1: some tests failed, which the comparison judges.
         pytest.fail(f"The {mode} run of Keras' tests ended with status {code} and "
                     f"{'no' if data is None else 'a'} results file.\n{tail}")
@@ -94,37 +115,23 @@ def _what_differs() -> str:
     return " ".join(text[text.index("## What differs from `Model.fit`"):].split("\n## ", 1)[0].split())
 
 
+def _count(result: dict) -> str:
+    return (f"{result['fit_tests_passing']} of {result['fit_tests']} of Keras' own fit tests pass through tfdist "
+            f"on {plugin.NUM_REPLICAS} replicas")
+
+
 def test_every_known_failure_category_is_named_in_the_readme():
     """The list is the README's "What differs" table: each category a user can look up there, in bold."""
-    known, _ = plugin.read_known_failures(KNOWN_FAILURES)
+    known, _ = results.read_known_failures(KNOWN_FAILURES)
     section = _what_differs()
     missing = sorted({category for category, _ in known.values() if f"**{category}**" not in section})
     assert not missing, f"README's 'What differs' section does not name these known-failure categories: {missing}"
 
 
-def test_keras_conformance(tmp_path, record_property):
-    missing = [path for path in plugin.keras_test_files() if not os.path.exists(path)]
-    assert not missing, f"This Keras ({plugin.keras_dir()}) lacks test files the conformance run uses: {missing}"
-    known, known_version = plugin.read_known_failures(KNOWN_FAILURES)
-
-    started = {mode: _start(mode, tmp_path) for mode in plugin.MODES}  # Side by side.
-    finished = {mode: _finish(mode, *started[mode]) for mode in plugin.MODES}
-    (baseline, baseline_wall), (through, tfdist_wall) = finished["baseline"], finished["tfdist"]
-    result = plugin.compare(baseline, through, known)
-
-    failing_categories = collections.Counter(known[t][0] for t in known if t in baseline["tests"])
-    summary = (f"{result['fit_tests_passing']} of {result['fit_tests']} of Keras' own fit tests pass through tfdist "
-               f"on {plugin.NUM_REPLICAS} replicas ({result['baseline_passing_through_tfdist']} of "
-               f"{result['baseline_passing']} baseline passes in all; Keras {through['keras_version']}, "
-               f"TensorFlow {through['tensorflow_version']}); wall time: baseline {baseline_wall:.0f} s, "
-               f"tfdist {tfdist_wall:.0f} s, side by side")
-    print(summary)
-    for category, count in failing_categories.most_common():
-        print(f"  known failures, {category}: {count}")
-    record_property("keras_conformance", summary)
-
-    routed = sum(sum(r["routed"].values()) for r in through["tests"].values())
+def _routing_problems(result: dict, through: dict) -> list[str]:
+    """The routing really happened: tfdist was called, Keras' own methods were not, under the strategy's scope."""
     problems = []
+    routed = sum(sum(r["routed"].values()) for r in through["tests"].values())
     if result["fit_tests"] == 0 or routed == 0:
         problems.append(f"Nothing was measured: {result['fit_tests']} baseline tests call fit/evaluate/predict and "
                         f"{routed} calls went to tfdist.")
@@ -137,31 +144,111 @@ def test_keras_conformance(tmp_path, record_property):
     if result["scope_trouble"]:
         problems.append("The strategy's scope was not in force at a routed call, or was lost, in: "
                         + ", ".join(result["scope_trouble"]))
+    return problems
+
+
+def _list_problems(result: dict, baseline: dict, through: dict, known: dict) -> list[str]:
+    """known_failures.txt is exact: every unlisted failure is a problem, and so is every listed pass."""
+    problems, listed = [], os.path.relpath(KNOWN_FAILURES, REPO)
     if result["unexpected"]:
         problems.append(
             f"{len(result['unexpected'])} Keras test(s) pass in baseline but not through tfdist, and are not in "
-            f"{os.path.relpath(KNOWN_FAILURES, REPO)}; fix tfdist, or list each with its reason "
-            "(`<test id>  # <category>: <reason>`):\n" + "\n".join(
+            f"{listed}; fix tfdist, or list each with its reason (`<test id>  # <category>: <reason>`):\n" + "\n".join(
                 f"  {t}  -- {_describe(through['tests'].get(t, {'outcome': 'not run'}))}"
                 for t in result["unexpected"]))
     if result["now_passing"]:
         problems.append(
-            f"{len(result['now_passing'])} test(s) listed in {os.path.relpath(KNOWN_FAILURES, REPO)} pass through "
-            "tfdist now; remove their lines so the list stays true:\n" + "\n".join(
-                f"  {t}  # {known[t][0]}" for t in result["now_passing"]))
+            f"{len(result['now_passing'])} test(s) listed in {listed} pass through tfdist now; remove their lines so "
+            "the list stays true:\n" + "\n".join(f"  {t}  # {known[t][0]}" for t in result["now_passing"]))
     if result["not_baseline"]:
         problems.append(
             f"{len(result['not_baseline'])} listed test(s) no longer pass in baseline (renamed, removed or broken in "
             "this Keras); remove or update their lines:\n" + "\n".join(
                 f"  {t}  -- baseline {baseline['tests'].get(t, {}).get('outcome', 'not collected')}"
                 for t in result["not_baseline"]))
-    count = (f"{result['fit_tests_passing']} of {result['fit_tests']} of Keras' own fit tests pass through tfdist "
-             f"on {plugin.NUM_REPLICAS} replicas")
-    if count not in _what_differs():
-        problems.append(f"The README's 'What differs' section must state the measured count: \"{count}\".")
+    return problems
+
+
+def _coverage_problems(baseline: dict, through: dict) -> list[str]:
+    """Every file the run uses ran tests in both modes (a file that fails to import runs none), and fits."""
+    keras_root = os.path.dirname(files.keras_dir())
+    wanted = {os.path.relpath(path, keras_root).replace(os.sep, "/") for path in files.keras_test_files()}
+    problems = []
+    for name, data in (("baseline", baseline), ("tfdist", through)):
+        seen = {t.split("::", 1)[0] for t in results.ran(data)}
+        if wanted - seen:
+            problems.append(f"These test files ran no test in the {name} mode (an import or collection error?): "
+                            + ", ".join(sorted(wanted - seen)))
+    fitting = {t.split("::", 1)[0] for t, r in baseline["tests"].items() if results.calls_fit(r)}
+    if wanted - fitting:
+        problems.append("No test of these files called fit/evaluate/predict in baseline (leave them out, in "
+                        "files.LEFT_OUT, with the reason): " + ", ".join(sorted(wanted - fitting)))
+    return problems
+
+
+def test_keras_conformance(tmp_path, record_property):
+    missing = [path for path in files.keras_test_files() if not os.path.exists(path)]
+    assert not missing, f"This Keras ({files.keras_dir()}) lacks test files the conformance run uses: {missing}"
+    known, known_version = results.read_known_failures(KNOWN_FAILURES)
+    cap = _cap()
+
+    started = {mode: _start(mode, tmp_path, cap) for mode in ("baseline", "tfdist")}  # Side by side.
+    finished = {mode: _finish(mode, *started[mode]) for mode in started}
+    (baseline, baseline_wall), (through, tfdist_wall) = finished["baseline"], finished["tfdist"]
+    result = results.compare(baseline, through, known)
+
+    failing_categories = collections.Counter(known[t][0] for t in known if t in results.ran(through))
+    scope = ("every test" if cap is None else
+             f"broad files capped at {cap} calling tests each, {result['capped']} tests not run")
+    summary = (f"{_count(result)} ({result['baseline_passing_through_tfdist']} of {result['baseline_passing']} "
+               f"baseline passes in all; {scope}; Keras {through['keras_version']}, TensorFlow "
+               f"{through['tensorflow_version']}); wall time: baseline {baseline_wall:.0f} s, tfdist {tfdist_wall:.0f} "
+               "s, side by side")
+    print(summary)
+    for category, count in failing_categories.most_common():
+        print(f"  known failures, {category}: {count}")
+    record_property("keras_conformance", summary)
+
+    problems = (_routing_problems(result, through) + _list_problems(result, baseline, through, known)
+                + _coverage_problems(baseline, through))
+    if cap is None and _count(result) not in _what_differs():
+        problems.append(f"The README's 'What differs' section must state the measured count: \"{_count(result)}\".")
     if problems:
         note = ""
         if known_version and known_version != through["keras_version"]:
             note = (f"(known_failures.txt was made with Keras {known_version}; this is Keras "
                     f"{through['keras_version']}: Keras' test ids and behaviour change between releases.)\n")
         pytest.fail(summary + "\n" + note + "\n\n".join(problems), pytrace=False)
+
+
+def _record(outcome: str, keras: int = 0, routed: int = 0) -> dict:
+    return {"outcome": outcome, "keras": {"fit": keras} if keras else {}, "routed": {"fit": routed} if routed else {},
+            "unrouted": {}, "scope_missing": 0, "scope_lost": 0}
+
+
+def test_compare_judges_every_trainer_test_and_the_fit_tests_of_broad_files():
+    """A broad file's test that never fits is not judged; a capped test is not run, so not counted either way."""
+    trainer, broad = "keras/src/trainers/trainer_test.py::T::", "keras/src/layers/core/dense_test.py::T::"
+    baseline = {"tests": {trainer + "no_fit": _record("passed"), trainer + "fit": _record("passed", keras=1),
+                          broad + "no_fit": _record("passed"), broad + "fit": _record("passed", keras=1),
+                          broad + "fit_fails": _record("passed", keras=1), broad + "capped": _record(results.CAPPED)}}
+    through = {"tests": {trainer + "no_fit": _record("failed"), trainer + "fit": _record("passed", routed=1),
+                         broad + "no_fit": _record("failed"), broad + "fit": _record("passed", routed=1),
+                         broad + "fit_fails": _record("failed", routed=1), broad + "capped": _record(results.CAPPED)}}
+    result = results.compare(baseline, through, {broad + "capped": ("harness", "listed")})
+    assert result["unexpected"] == [broad + "fit_fails", trainer + "no_fit"]
+    assert (result["fit_tests"], result["fit_tests_passing"]) == (3, 2)
+    assert (result["routed_tests"], result["routed_tests_passing"]) == (3, 2)
+    assert result["capped"] == 1 and result["not_baseline"] == [] and result["now_passing"] == []
+
+
+def test_the_broad_files_are_the_named_directories_tests_that_fit():
+    chosen = files.broad_files()
+    assert not set(chosen) & set(files.FILES)
+    assert not [f for f in chosen if any(f == p or f.startswith(p + "/") for p in files.LEFT_OUT)]
+    for directory in ("src/models", "src/layers", "src/optimizers", "src/metrics", "src/saving",
+                      "src/distillation", "src/backend/tensorflow"):
+        assert any(f.startswith(directory + "/") for f in chosen), directory
+    for relative in chosen:
+        with open(os.path.join(files.keras_dir(), relative), encoding="utf-8") as f:
+            assert files.CALLS.search(f.read()), relative

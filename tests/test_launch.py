@@ -444,3 +444,40 @@ def test_a_relaunch_that_cannot_start_ends_with_the_failed_runs_status(monkeypat
     assert out.getvalue().splitlines()[-1] == (
         "tfdist-launch: restart 1 could not start the job: cannot reach node2 over SSH (timed out). No task was "
         "started. Giving up with the last run's status (5)."), out.getvalue()
+
+
+def test_the_error_a_tasks_output_names_is_its_last_tracebacks_unless_it_told_the_others():
+    watch = launch.ErrorWatch()
+    for line in ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "ValueError: first",
+                 "", "During handling of the above exception, another exception occurred:", "",
+                 "Traceback (most recent call last):", '  File "a.py", line 3, in <module>',
+                 "tensorflow.python.framework.errors_impl.UnknownError: second", "W0000 a log line"]:
+        watch.feed(line)
+    assert watch.error == "tensorflow.python.framework.errors_impl.UnknownError: second" and watch.told_at is None
+    watch.feed(cluster.failure_line("worker:1", "RuntimeError: its own"))
+    for line in ["Traceback (most recent call last):", "  File ...", "OSError: later, at exit"]:
+        watch.feed(line)
+    assert (watch.error, watch.said) == ("RuntimeError: its own", ": RuntimeError: its own") and watch.told_at
+
+
+TOLD = """
+import json, os, sys, time
+from tfdist.distribute.cluster import failure_line
+if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+    print(failure_line("worker:1", "RuntimeError: its own error"), file=sys.stderr, flush=True)
+    time.sleep(1.5)  # The coordination service's leader lets the others take its error first.
+    sys.exit(1)
+time.sleep(0.3)
+raise RuntimeError("Collective ops is aborted by: Error reported from /job:worker/task:1")
+"""
+
+
+def test_the_task_that_told_the_others_of_its_error_is_named_though_another_exits_first():
+    """Worker 0 failed of worker 1's error and exited first; the launcher used to name worker 0 and SIGTERM
+    worker 1 (then "killed by SIGTERM")."""
+    out = io.StringIO()
+    launcher = launch.Launcher([sys.executable, "-c", TOLD], launch.ClusterLayout(2), out=out, env=subprocess_env())
+    assert launcher.run() == 1, out.getvalue()
+    assert "tfdist-launch: worker:1 exited with status 1; stopping the other tasks." in out.getvalue(), out.getvalue()
+    assert "tfdist-launch: worker:1 exited with status 1: RuntimeError: its own error. Its last lines:" in \
+        out.getvalue(), out.getvalue()

@@ -327,3 +327,13 @@ def test_zero_stage_trains_as_unsharded_and_reports_each_replicas_state(tmp_path
     assert "zero_stage" not in whole and sharded["zero_stage"] == 2
     parts = sharded["optimizer_state_bytes_per_replica"]
     assert len(parts) == 2 and min(parts) > 0 and sum(parts) == sharded["optimizer_state_bytes_total"] == 8 * params
+
+
+def test_a_non_finite_loss_stops_tfdist_train_unless_told_to_go_on(tmp_path):
+    """tfdist-train keeps the non-finite guard on (--stop_on_nonfinite); --nostop_on_nonfinite trains on, as
+    tfdist.fit and Keras' fit do."""
+    diverging = {"optimizer": "sgd", "learning_rate": 1e12, "max_steps": 4, "precision": "float32"}
+    with pytest.raises(UserError, match=r"The training loss became non-finite \(NaN or inf\)"):
+        run(tmp_path, "stops", **diverging)
+    metrics = run(tmp_path, "goes_on", stop_on_nonfinite=False, **diverging)
+    assert metrics["steps"] == 4

@@ -9,8 +9,8 @@
   predictions = tfdist.predict(model, x_test)
 
 Public names: `make_strategy`, `fit`, `evaluate` and `predict` (Keras' `Model.evaluate` and
-`Model.predict` under the same strategy and input handling), `test_on_batch` and `predict_on_batch`
-(theirs of one batch), `is_chief` and `task_path` (a script's
+`Model.predict` under the same strategy and input handling), `train_on_batch`, `test_on_batch` and
+`predict_on_batch` (theirs of one batch), `is_chief` and `task_path` (a script's
 own files on a multi-worker job), `UserError` (what bad input raises; a
 `ValueError`), `Preempted` (raised after SIGTERM saved a checkpoint). Layers: `tfdist.layers`
 (`ShardedEmbedding`: an embedding table in row shards over parameter servers).
@@ -25,7 +25,7 @@ from typing import Any
 
 __version__ = "0.2.0"
 __all__ = ["make_strategy", "fit", "evaluate", "predict", "test_on_batch", "predict_on_batch", "is_chief", "task_path",
-           "UserError", "Preempted"]
+           "UserError", "Preempted", "train_on_batch"]
 
 from tfdist.errors import UserError  # noqa: E402  (no TensorFlow import)
 
@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from tfdist.training.fitting import fit
 
         return fit
+    if name == "train_on_batch":
+        from tfdist.training.on_batch import train_on_batch
+
+        return train_on_batch
     if name in ("evaluate", "test_on_batch"):
         from tfdist.training import evaluating
 

@@ -18,3 +18,16 @@ class UserError(ValueError):
 def one_paragraph(text: str) -> str:
     """Collapses whitespace so a message prints as a single paragraph."""
     return " ".join(str(text).split())
+
+
+MESSAGE_LIMIT = 4000  # Characters of a quoted error kept whole; past it, its head and its end (`error_text`).
+
+
+def error_text(error: BaseException) -> str:
+    """An error's message (Keras', TensorFlow's, the user's) as one paragraph, quoted whole: the part naming the
+    bad key or shape is often at its end. Only a pathological one past `MESSAGE_LIMIT` is cut, in its middle."""
+    text = one_paragraph(str(error))
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    tail = MESSAGE_LIMIT // 2
+    return f"{text[:MESSAGE_LIMIT - tail]} [... {len(text) - MESSAGE_LIMIT} characters ...] {text[-tail:]}"

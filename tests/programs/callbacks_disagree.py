@@ -1,7 +1,7 @@
 """Two MultiWorkerMirrored workers whose callbacks differ per task, as a job's do.
 
 `nan`: every worker trains with a TensorBoard callback (only the chief runs it, and it has
-per-batch hooks) on data whose 4th batch is NaN; both must stop with the non-finite error,
+per-batch hooks) on NaN data with stop_on_nonfinite=True; both must stop with the non-finite error,
 not hang with one execution more in flight on one of them.
 `backup`: each worker's BackupAndRestore points at a directory of its own, so only the chief
 finds the backup it wrote; the workers must refuse to start from different steps.
@@ -20,7 +20,7 @@ def main() -> None:
     _, index, model, x, y = setup()
     if mode == "nan":
         y[:] = float("nan")  # Every step's loss is NaN: the first execution fails on both workers.
-        tfdist.fit(model, x, y, batch_size=32, epochs=2, verbose=0, steps_per_execution=2,
+        tfdist.fit(model, x, y, batch_size=32, epochs=2, verbose=0, steps_per_execution=2, stop_on_nonfinite=True,
                    callbacks=[keras.callbacks.TensorBoard(f"{out}/tb", update_freq="batch")])
         return
     backup = keras.callbacks.BackupAndRestore(f"{out}/backup{index}")

@@ -87,6 +87,8 @@ flags.DEFINE_integer("summary_every_steps", _D.summary_every_steps, "Write train
                      "(0: after every execution).")
 flags.DEFINE_string("export", _D.export, "What the chief exports at the end: keras (WORKDIR/model.keras), "
                     "saved_model (WORKDIR/saved_model/, for TF Serving), or both: keras,saved_model.")
+flags.DEFINE_boolean("stop_on_nonfinite", _D.stop_on_nonfinite, "Stop with an error at a step whose loss (or "
+                     "gradient) is NaN or inf; --nostop_on_nonfinite trains on, as Keras' fit does.")
 flags.DEFINE_string("profile_steps", None, "START,END: write a TensorFlow profiler trace of these steps to "
                     "WORKDIR/tensorboard (chief only).")
 

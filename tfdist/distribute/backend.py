@@ -10,18 +10,17 @@ that differ, so the training loop (`tfdist.training`) never branches on the back
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from tfdist.distribute import barriers
 from tfdist.distribute.cluster import LOCAL, ClusterInfo
 from tfdist.distribute.gradients import compress, decompress, sum_rows
-from tfdist.distribute.runner import Runner, _summaries_as, _summary_state, wait_until_closed
+from tfdist.distribute.runner import Runner, _summaries_as, _summary_state, wait_until_closed  # noqa: F401
 
 
 def tf_variable(variable: Any) -> Any:
@@ -42,14 +41,6 @@ def pack_bytes(tensors: Sequence[Any]) -> int:
     total = sum(t.shape.num_elements() * t.dtype.size for t in tensors
                 if isinstance(t, tf.Tensor) and t.shape.is_fully_defined())
     return int(min(MAX_PACK_BYTES, max(MIN_PACK_BYTES, total // PACKS)))
-
-
-# How long the coordination-service leader waits at exit for the other tasks to exit.
-LEADER_EXIT_WAIT_S = 60.0
-# How long a task of a synchronous multi-worker job waits at exit for the others to finish their work.
-PEER_EXIT_WAIT_S = 600.0
-EXIT_BARRIER = "tfdist_exit"
-_LEAVING_LAST: list[str] = []  # Labels of backends whose exit hook is registered (one per process).
 
 
 @dataclasses.dataclass
@@ -339,62 +330,15 @@ class Backend:
             self.leave_last()
 
     def leave_last(self) -> None:
-        """On a synchronous multi-worker job: no training task exits while another still works.
+        """On a synchronous multi-worker job: no training task exits while another still works, and a task that
+        fails tells the others instead of waiting (`tfdist.distribute.barriers.leave_last`)."""
+        barriers.leave_last(self)
 
-        Every task of a MultiWorkerMirroredStrategy job heartbeats to TensorFlow's
-        coordination service, which runs inside the leader (worker 0, or the
-        chief). Two ways the end of a job can then abort a task whose work is done
-        (SIGABRT at interpreter exit):
-        - a task still shutting down when the leader has exited sees its
-          heartbeats fail;
-        - a task that exits while the leader still works (evaluates, exports, or
-          runs the user's own code after `tfdist.fit`) is flagged unhealthy after
-          the heartbeat timeout, and the leader aborts its collectives.
-        So at exit every training task waits at a coordination-service barrier
-        (up to `PEER_EXIT_WAIT_S`), and the leader then waits (up to
-        `LEADER_EXIT_WAIT_S`) until no other task's server listens any more.
-        """
-        coordination = self._coordination()
-        if coordination is None or _LEAVING_LAST:
-            return
-        _LEAVING_LAST.append(self.task_label)
-        label, (leader, others) = self.task_label, coordination
-
-        def wait_for_the_others() -> None:
-            from absl import logging
-            from tensorflow.python.eager import context
-
-            start = time.monotonic()
-            try:
-                context.context().wait_at_barrier(EXIT_BARRIER, int(PEER_EXIT_WAIT_S * 1000))
-            except Exception as error:  # A task that failed or already left: nothing to wait for.
-                logging.warning("[%s] exiting without the other tasks: the exit barrier failed (%s).", label,
-                                str(error).splitlines()[0] if str(error) else type(error).__name__)
-            if leader:
-                left = wait_until_closed(others, LEADER_EXIT_WAIT_S)
-                if left:
-                    logging.warning("[%s] exiting although the task(s) at %s still run after %.0f s.", label,
-                                    ", ".join(left), LEADER_EXIT_WAIT_S)
-            if time.monotonic() - start > 1.0:
-                logging.info("[%s] waited %.1f s at exit for the other tasks of the job (they share one "
-                             "coordination service).", label, time.monotonic() - start)
-
-        atexit.register(wait_for_the_others)
-
-    def _coordination(self) -> tuple[bool, list[str]] | None:
-        """(whether this task hosts the coordination service, the other training tasks' addresses), on a
-        synchronous multi-worker job; None elsewhere."""
-        if not self.all_tasks_save or self.num_workers < 2 or self.cluster.task_type not in ("chief", "worker"):
-            return None
-        from tensorflow.python.eager import context
-
-        config = context.context().coordination_service
-        if config is None:
-            return None
-        me = f"/job:{self.cluster.task_type}/replica:0/task:{self.cluster.task_index}"
-        others = [address for job in ("chief", "worker") for i, address in enumerate(self.cluster.cluster.get(job, ()))
-                  if (job, i) != (self.cluster.task_type, self.cluster.task_index)]
-        return config.service_leader == me, others
+    def wait_for_peers(self) -> None:
+        """The end of a fit: on a synchronous multi-worker job, returns once every task has finished it (the
+        chief's callbacks and exports included); a peer's failure raises its error
+        (`tfdist.distribute.barriers.wait_for_peers`)."""
+        barriers.wait_for_peers(self)
 
     def shutdown(self) -> None:
         """Releases cluster resources at the end of a run."""

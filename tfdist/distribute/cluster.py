@@ -4,7 +4,9 @@
 returns one typed, validated `ClusterInfo`. It never writes the environment;
 building strategies from it is `tfdist.distribute.strategies`' job. TensorFlow's own
 resolver accepts much nonsense silently, so everything is checked here and
-every error names the offending field and value and shows a valid one.
+every error names the offending field and value and shows a valid one. `failure_line`
+is what a failed task of a job prints (`tfdist.distribute.barriers`) and the launcher
+reads back (`failure_in`).
 """
 
 from __future__ import annotations
@@ -210,3 +212,19 @@ def _check_address(where: str, address: object) -> None:
         raise _fail(f'{where} = "{address}" has no port; write it as "host:port", e.g. "{address}:2222".')
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise _fail(f'{where} = "{address}" has port "{port}", which is not a number from 1 to 65535.')
+
+
+# A task of a synchronous job that fails with an uncaught error tells the other tasks (tfdist.distribute.barriers)
+# and prints this line; tfdist-launch reads it to name the task whose error ended the job (`failure_in`).
+_FAILED = "failed, and told the other tasks of the job: "
+
+
+def failure_line(label: str, error: str) -> str:
+    """What a failing task prints once its error has reached the other tasks."""
+    return f"tfdist: {label} {_FAILED}{error}"
+
+
+def failure_in(line: str) -> Optional[str]:
+    """The error a `failure_line` names ("Type: message"), or None for any other line."""
+    head, found, error = line.partition(" " + _FAILED)
+    return error.strip() if found and head.startswith("tfdist: ") and " " not in head[len("tfdist: "):] else None

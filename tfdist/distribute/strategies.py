@@ -18,7 +18,7 @@ from typing import Any, Callable
 import tensorflow as tf
 from absl import logging
 
-from tfdist.distribute import cluster as cluster_lib, variable_reads
+from tfdist.distribute import barriers, cluster as cluster_lib, variable_reads
 from tfdist.distribute.backend import Backend
 from tfdist.distribute.options import StrategyOptions
 from tfdist.errors import UserError
@@ -386,4 +386,5 @@ def make_strategy(name: str = "auto", **options: object) -> object:
     backend.precision = choice
     logging.info("[%s] precision %s (%s)", backend.task_label, choice.policy, choice.reason)
     remember(backend)
+    barriers.report_failures(backend)  # An uncaught error here ends the other tasks' waits with it.
     return backend.public_strategy

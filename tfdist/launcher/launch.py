@@ -32,7 +32,7 @@ from tfdist.errors import UserError, one_paragraph
 from tfdist.launcher.chief_led import ChiefLedWaiting
 from tfdist.launcher.layout import ClusterLayout, cluster_spec, free_ports, isolate_network, tf_config
 from tfdist.launcher.ssh import HostUnreachable, SshConfig
-from tfdist.launcher.tasks import _Task
+from tfdist.launcher.tasks import ErrorWatch, _Task, first_told, telling
 
 __all__ = ["ClusterLayout", "HostUnreachable", "Launcher", "cluster_spec", "free_ports", "isolate_network", "tf_config"]
 
@@ -106,9 +106,10 @@ class Launcher(ChiefLedWaiting):
             self.out.write(text)
             self.out.flush()
 
-    def _pump(self, task_label: str, stream: TextIO, tail: collections.deque) -> None:
+    def _pump(self, task_label: str, stream: TextIO, tail: collections.deque, watch: ErrorWatch) -> None:
         for line in stream:
             tail.append(line.rstrip("\n"))
+            watch.feed(line.rstrip("\n"))
             self._print(f"[{task_label}] {line if line.endswith(chr(10)) else line + chr(10)}")
 
     def _addresses(self) -> list[str]:
@@ -158,12 +159,12 @@ class Launcher(ChiefLedWaiting):
             command, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, start_new_session=True, errors="replace",
         )
-        tail: collections.deque = collections.deque(maxlen=self.tail_lines)
-        reader = threading.Thread(target=self._pump, args=(label, process.stdout, tail), daemon=True)
+        tail, watch = collections.deque(maxlen=self.tail_lines), ErrorWatch()
+        reader = threading.Thread(target=self._pump, args=(label, process.stdout, tail, watch), daemon=True)
         reader.start()
         how = f"ssh pid {process.pid}" if host else f"pid {process.pid}"
         self._print(f"tfdist-launch: started {label} ({how}) at {self.cluster[role][index]}\n")
-        return _Task(role, index, process, tail, reader, host)
+        return _Task(role, index, process, tail, reader, host, errors=watch)
 
     @property
     def _chief_led(self) -> bool:
@@ -225,8 +226,8 @@ class Launcher(ChiefLedWaiting):
 
     def _report(self, task: _Task, verdict: str) -> int:
         code = task.process.returncode
-        tail = "\n".join(f"  {line}" for line in task.tail)
-        self._print(f"tfdist-launch: {task.label} {task.describe()}{verdict}. Its last lines:\n{tail}\n")
+        tail, said = "\n".join(f"  {line}" for line in task.tail), f"{task.describe()}{verdict}{task.errors.said}"
+        self._print(f"tfdist-launch: {task.label} {said}. Its last lines:\n{tail}\n")
         return 128 - code if code < 0 else code
 
     def wait(self) -> int:
@@ -236,11 +237,11 @@ class Launcher(ChiefLedWaiting):
     def _first_failure(self) -> Optional[_Task]:
         """The failed task that most likely caused the others to fail.
 
-        A task killed by a signal is the cause rather than the peers that then
-        lost contact with it; otherwise the first in task order.
+        One that told the others of its error (its output read to its end), then a task killed by a signal
+        (rather than the peers that then lost contact with it); otherwise the first in task order.
         """
         failed = [t for t in self.tasks if t.process.returncode not in (None, 0)]
-        return min(failed, key=lambda t: not t.killed, default=None)
+        return first_told(failed) or min(failed, key=lambda t: not t.killed, default=None)
 
     def _wait_all_equal(self) -> int:
         """Synchronous jobs: any task failing fails the job; all stop together."""
@@ -249,9 +250,11 @@ class Launcher(ChiefLedWaiting):
             failed = self._first_failure()
             if failed is not None:
                 if self._signal is None:
-                    self._print(f"tfdist-launch: {failed.label} {failed.describe()}; stopping the other tasks.\n")
-                    if self.membership is not None:  # Exits that follow within seconds are the job's own.
+                    told = telling(self.tasks)  # A task that told the others of its error exits once they have it.
+                    if told or self.membership is not None:  # Exits that follow within seconds are the job's own.
                         self._wait_all(self.settle_s)
+                    failed = self._first_failure() if told else failed
+                    self._print(f"tfdist-launch: {failed.label} {failed.describe()}; stopping the other tasks.\n")
                 self._stop_all()
                 break
             time.sleep(0.1)
@@ -266,7 +269,7 @@ class Launcher(ChiefLedWaiting):
 
     def _silence(self, task: Optional[_Task]) -> str:
         """For a task blamed for not answering: what it did, after its describe()."""
-        if task is None or task.ended is not None:
+        if task is None or task.ended is not None or task.errors.told_at is not None:
             return ""
         return (f" after not ending within {self.grace_s:g} s of SIGTERM, once its peers had failed: its process or "
                 "host stopped answering")
@@ -274,12 +277,15 @@ class Launcher(ChiefLedWaiting):
     def _blame(self) -> Optional[_Task]:
         """The task whose failure ended a synchronous job; None when every task failed alike (the program did).
 
-        Only tasks that ended on their own count. In an elastic job, when two or more of them failed alike
-        (their peers lost them, perhaps all by the same abort) and a task never answered the SIGTERM that
-        followed, that silent one is blamed: a host that is gone keeps its ssh session open for half a
-        minute, while its peers fail within seconds. Otherwise, earliest first: one killed by a signal,
-        then one whose SSH connection dropped (status 255), then the first that failed.
+        First a task that told the others of its error (`ErrorWatch`): theirs followed from it. Else only tasks
+        that ended on their own count. In an elastic job, when two or more of them failed alike (their peers lost
+        them, perhaps all by the same abort) and a task never answered the SIGTERM that followed, that silent one
+        is blamed: a host that is gone keeps its ssh session open for half a minute, while its peers fail within
+        seconds. Otherwise, earliest first: one killed by a signal, then one whose SSH connection dropped (status
+        255), then the first that failed.
         """
+        if first_told(self.tasks) is not None:
+            return first_told(self.tasks)
         own = sorted((t for t in self.tasks if t.ended is not None and t.process.returncode != 0),
                      key=lambda t: t.ended)
         if not own:

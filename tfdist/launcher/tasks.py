@@ -1,6 +1,6 @@
 """One launched task's process as the launcher sees it: `_Task` (its role, process, last
-lines, and how to signal, reap and describe it, here or over ssh) and `describe_status`
-for a process's exit status.
+lines, and how to signal, reap and describe it, here or over ssh), `ErrorWatch` (the error
+its output names) and `describe_status` for a process's exit status.
 """
 
 from __future__ import annotations
@@ -11,7 +11,37 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from typing import Optional
+
+from tfdist.distribute.cluster import failure_in
+from tfdist.errors import one_paragraph
+
+
+class ErrorWatch:
+    """What a task's output says of its failure: the exception line of its last Python traceback, or the error it
+    told the other tasks of (`cluster.failure_line`: it failed first, they followed), and when it told them."""
+
+    def __init__(self) -> None:
+        self.error: Optional[str] = None
+        self.told_at: Optional[float] = None
+        self._in_traceback = False
+
+    @property
+    def said(self) -> str:
+        """": <the error>" to follow a task's exit status, or "" when its output names none."""
+        return f": {self.error.rstrip('.')}" if self.error else ""
+
+    def feed(self, line: str) -> None:
+        told = failure_in(line)
+        if told is not None:
+            self.error, self.told_at = told, time.time()
+        elif line.startswith("Traceback (most recent call last):"):
+            self._in_traceback = True
+        elif self._in_traceback and line.strip() and not line[0].isspace():
+            self._in_traceback = False  # The exception's own line ends the traceback.
+            if self.told_at is None:
+                self.error = one_paragraph(line)[:1000]
 
 
 @dataclasses.dataclass(eq=False)  # Compared and hashed by identity: a restarted task is a new one.
@@ -24,6 +54,7 @@ class _Task:
     host: Optional[str] = None  # Set when the task runs on another host, through ssh.
     ended: Optional[float] = None  # When the launcher saw it exit before stopping the job (it ended on its own).
     unanswered: bool = False  # Still running when the grace period after SIGTERM ran out (needed SIGKILL).
+    errors: ErrorWatch = dataclasses.field(default_factory=ErrorWatch)  # What its output says of its error.
 
     @property
     def label(self) -> str:
@@ -82,3 +113,17 @@ def describe_status(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with status {code}"
+
+
+def first_told(tasks: list[_Task]) -> Optional[_Task]:
+    """The failed task that first told the others of its error (`ErrorWatch`): theirs followed from it; or None."""
+    failed = [t for t in tasks if t.process.returncode not in (None, 0)]
+    for task in failed:
+        task.reader.join(timeout=2)  # Its output read to its end: whether it told them.
+    told = [t for t in failed if t.errors.told_at is not None]
+    return min(told, key=lambda t: t.errors.told_at, default=None)
+
+
+def telling(tasks: list[_Task]) -> bool:
+    """Whether a task that told the others of its error still runs (it exits once they have taken it)."""
+    return any(t.errors.told_at is not None and t.process.poll() is None for t in tasks)

@@ -60,6 +60,7 @@ class TrainConfig(StrategyOptions):
     summary_every_steps: int = 0
     profile_steps: Optional[str] = None
     export: str = "keras"
+    stop_on_nonfinite: bool = True  # tfdist-train stops at a non-finite loss (tfdist.fit goes on by default).
 
     def validate(self) -> "TrainConfig":
         """Raises `UserError` for values no backend could accept."""

@@ -114,6 +114,7 @@ def _train(config: TrainConfig, backend: Backend, digits: data.Digits, plan: bat
         jit_compile={"auto": "auto", "true": True, "false": False}[config.jit_compile],
         summary_every_steps=config.summary_every_steps, profile_steps=config.profile_range(),
         export=config.export_formats(), callbacks=[_WriteConfig(rundir, config)],
+        stop_on_nonfinite=config.stop_on_nonfinite,
         plan_extra={"dataset": digits.name, "learning_rate": plan.learning_rate, "lr_schedule": config.lr_schedule, "optimizer": config.optimizer,
                     "warmup_steps": plan.warmup_steps, "precision": choice.policy})
     fingerprint = fingerprint_of(model, backend)

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError
-from tfdist.training import custom_steps
+from tfdist.training import custom_steps, plan as plan_lib
 from tfdist.training.plan import LoopPlan
 from tfdist.training.sources import Source
 
@@ -32,6 +32,8 @@ def check_composite(source: Source, backend: Backend, grad_accum_steps: int) -> 
 
 
 def check_scope(model: keras.Model, backend: Backend) -> None:
+    """The model's and its optimizer's variables are all the training strategy's (make_strategy's or the
+    program's own: `tfdist.distribute.adopting`)."""
     extended = getattr(backend.strategy, "extended", None)
     if backend.strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
         strategy_default = True
@@ -48,7 +50,8 @@ def check_scope(model: keras.Model, backend: Backend) -> None:
             raise UserError(
                 f"The model was not built under the strategy's scope (variable {variable.path} is not "
                 f"{type(backend.strategy).__name__}'s). Build and compile it inside `with strategy.scope():` "
-                "with the strategy from tfdist.make_strategy.")
+                "with the strategy you train with (the one passed as strategy=, else the one the model's "
+                "first variables were made under).")
 
 
 def why_even(backend: Backend, source: Source) -> str:
@@ -202,8 +205,14 @@ def check_agreement(backend: Backend, plan: LoopPlan, step: int, precision: str,
             f"The workers restored different checkpoints ({steps}): is --workdir on storage every machine "
             "shares? Point every worker at the same shared --workdir, and a BackupAndRestore at a backup_dir they "
             "all share (or start them all from scratch in a new one).")
-    what = "plan (batch sizes, steps, seed, learning rate, dataset)" if len({r[2] for r in rows}) > 1 \
-        else f"precision policy (this task: {precision})" if len({r[3] for r in rows}) > 1 \
+    if len({r[2] for r in rows}) > 1:  # Every task sees the same table: all gather the plans together.
+        raise UserError(
+            f"The workers disagree about the plan (batch sizes, steps, seed, learning rate, dataset): tasks "
+            f"{', '.join(f'worker {r[0]}' for r in rows)} resolved different values: "
+            f"{plan_lib.plan_differences(plan_lib.task_plans(backend, plan))}. Start every worker with the same "
+            "command, flags and software on the same kind of machine; where num_train or the steps differ, the "
+            "workers read different training data (files still being written, or a path that differs by machine).")
+    what = f"precision policy (this task: {precision})" if len({r[3] for r in rows}) > 1 \
         else f"time-based checkpoints (checkpoint_every_secs: {every_secs:g} on this task)"
     raise UserError(
         f"The workers disagree about the {what}: tasks {', '.join(f'worker {r[0]}' for r in rows)} resolved "
@@ -237,10 +246,13 @@ def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any 
                         "Use zero_stage=0, or move the update into compile()'s loss and Keras' own train_step.")
     optimizer = model.optimizer
     inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+    from tfdist.training.keras_hooks import wrapped_optimizers
+
     if not isinstance(inner, keras.optimizers.Optimizer) or \
-            isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            isinstance(inner, keras.optimizers.LossScaleOptimizer) or len(wrapped_optimizers(inner)) > 1:
         raise UserError(f"zero_stage={stage} shards a Keras optimizer (keras.optimizers.*, or one loss scale "
-                        f"around one); {type(inner).__name__} is not one. Use zero_stage=0.")
+                        f"around one); {type(inner).__name__} is not one (an optimizer of optimizers, such as "
+                        "MultiOptimizer, is not sharded). Use zero_stage=0.")
     from tfdist.layers.sharded_embedding import sharded_tables
 
     if sharded_tables(model):

@@ -34,6 +34,18 @@ def leaf(value: Any) -> Any:
     return np.asarray(value)
 
 
+def present(structure: Any) -> list:
+    """The leaves of a structure (or of a dataset's element spec) that hold data: not the None of an optional
+    input given none (``keras.Input(optional=True)``; tf.data's `NoneTensorSpec`), of absent targets or weights."""
+    return [leaf for leaf in tf.nest.flatten(structure) if leaf is not None and not isinstance(leaf, tf.NoneTensorSpec)]
+
+
+def first(structure: Any) -> Any:
+    """The first leaf holding data (its first dimension is the examples); None where there is none."""
+    leaves = present(structure)
+    return leaves[0] if leaves else None
+
+
 def rows(value: Any) -> int:
     """The number of examples."""
     if isinstance(value, tf.SparseTensor):
@@ -62,6 +74,17 @@ def spec(value: Any, batch_dim: Any = None) -> tf.TypeSpec:
     return tf.TensorSpec((batch_dim, *value.shape[1:]), tf.as_dtype(value.dtype))
 
 
+def common_spec(leaves: Sequence[Any]) -> Any:
+    """The tf.data spec of one input's batches: each dimension they agree on kept, the others None (as Keras'
+    `data_adapter_utils.get_keras_tensor_spec` merges them); `tf.NoneTensorSpec` for an optional input's None."""
+    if leaves[0] is None:
+        return tf.NoneTensorSpec()
+    if is_composite(leaves[0]):
+        return spec(leaves[0])
+    dims = [d[0] if len(set(d)) == 1 else None for d in zip(*(np.shape(leaf) for leaf in leaves))]
+    return tf.TensorSpec((None, *dims[1:]), tf.as_dtype(leaves[0].dtype))
+
+
 def ndim(value: Any) -> int:
     if is_composite(value):
         return int(value.shape.rank)
@@ -85,7 +108,9 @@ def rows_range(value: Any, start: int, stop: int) -> Any:
 
 
 def concat(parts: Sequence[Any]) -> Any:
-    """Examples of several batches, in order."""
+    """Examples of several batches, in order (None where every batch has None: an optional input given none)."""
+    if all(part is None for part in parts):
+        return None
     if isinstance(parts[0], tf.SparseTensor):
         return tf.sparse.concat(0, list(parts), expand_nonconcat_dims=True)
     if isinstance(parts[0], tf.RaggedTensor):

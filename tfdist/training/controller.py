@@ -47,7 +47,7 @@ class LoopResult:
     epoch_seconds: list[float]
     device_step_count: Optional[int]
     val_examples: Optional[int] = None  # Examples the last evaluation counted (None: no evaluation ran).
-    diverged: bool = False  # A callback (TerminateOnNaN) stopped training after a non-finite step.
+    diverged: bool = False  # A non-finite step was trained (a callback may have stopped training after it).
     # A sharded optimizer state's bytes per replica and in all (`tfdist.training.zero.state_report`).
     optimizer_state: dict = dataclasses.field(default_factory=dict)
 
@@ -65,6 +65,7 @@ class LoopOptions:
     precision: str = ""
     initial_epoch: int = 0
     validation_freq: Any = 1
+    stop_on_nonfinite: bool = False  # A non-finite step raises (`NonFiniteGuard`); else training goes on, as Keras'.
 
 
 @dataclasses.dataclass
@@ -116,7 +117,8 @@ class Controller:
         self.progress = Progress(options.progress and backend.is_chief, plan.known_steps_per_epoch())
         self.summaries = Summaries(writer, options.summary_every_steps, self.model, steps.layout)
         self.profiler = Profiler(options.profile, plan.steps_per_execution)
-        self.guard = NonFiniteGuard(isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer))
+        self.guard = NonFiniteGuard(isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer),
+                                    stop=options.stop_on_nonfinite)
         self.checkpointing = CheckpointPolicy(backend, options.checkpoint_every_steps,
                                               options.checkpoint_every_secs, checkpoints.save)
         # Keras calls per-batch hooks once per execution (steps_per_execution batches); where a
@@ -289,6 +291,11 @@ class Controller:
         if self.guard.diverged_stop(self.model):
             logging.warning("A callback stopped training at step %d after a non-finite loss; the weights are not "
                             "finite, so no checkpoint or export was written for these steps.", run.step)
+            run.diverged = True
+        elif self.guard.seen:  # Training went on after a non-finite step (as Keras'): the last good checkpoint stays.
+            if not run.diverged:
+                logging.warning("The weights are not finite since a non-finite step before step %d: tfdist writes "
+                                "no further checkpoint and no export in this run.", run.step)
             run.diverged = True
         elif self.checkpointing.due(run.step, at_epoch_end):
             self.checkpoints.save(run.step)

@@ -23,8 +23,9 @@ import tensorflow as tf
 from keras.src import backend as keras_backend
 
 from tfdist.distribute.backend import Backend, tf_variable
-from tfdist.errors import UserError
+from tfdist.errors import UserError, error_text
 from tfdist.training import keras_hooks
+from tfdist.training.inputs import absent_as_none
 from tfdist.training.layer_state import RecordingScope, write_state
 from tfdist.training.metric_state import flatten_logs
 
@@ -54,8 +55,11 @@ def keras_data(element: tuple) -> Any:
     """What Keras passes a custom step for one element of tfdist's pipeline.
 
     tfdist's batches are tuples ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``;
-    Keras passes ``x`` alone when there is no ``y`` (``pack_x_y_sample_weight``).
+    Keras passes ``x`` alone when there is no ``y`` (``pack_x_y_sample_weight``). An optional input given none
+    is None again (`inputs.absent_as_none`).
     """
+    if isinstance(element, tuple) and element:
+        element = (absent_as_none(element[0]), *element[1:])
     if isinstance(element, tuple) and len(element) == 1 and not isinstance(element[0], (list, tuple)):
         return element[0]
     return element
@@ -251,7 +255,7 @@ def probe(model: keras.Model, backend: Backend, name: str, example: Any, hooks: 
                     raise _foreign(model, name, strangers) from None
                 if not hooks.unbuilt:
                     raise UserError(f"{type(model).__name__}.{name}() failed on a batch of this input: "
-                                    f"{type(e).__name__}: {' '.join(str(e).split())[:400]}") from None
+                                    f"{type(e).__name__}: {error_text(e)}") from None
                 _build_optimizers(hooks.unbuilt)
                 continue
             break

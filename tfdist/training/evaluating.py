@@ -137,7 +137,7 @@ def evaluate(
     Returns the loss (a float) when the model has no other metric, else a list in
     ``model.metrics_names`` order, or a dict with ``return_dict=True``.
     """
-    backend = preparing.backend_for(strategy)
+    backend = preparing.backend_for(strategy, model)
     check_evaluable(model, backend)
     arrays, batch = held_out(model, x, y, sample_weight, batch_size, steps, targets=True)
     per_execution = per_execution_steps(steps_per_execution, backend, model, callbacks, TEST_BATCH_HOOKS)

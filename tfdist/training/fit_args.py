@@ -208,11 +208,12 @@ def _standardize(batch: Any) -> tuple:
 
 
 def _spec(batch: tuple, batch_dim: Optional[int]) -> Any:
-    return tf.nest.map_structure(lambda a: columns.spec(a, batch_dim), batch)
+    """The batch's tf.data spec (None, an optional input given none: `tf.NoneTensorSpec`)."""
+    return tf.nest.map_structure(lambda a: tf.NoneTensorSpec() if a is None else columns.spec(a, batch_dim), batch)
 
 
 def _batch_size(batch: tuple) -> int:
-    return columns.rows(tf.nest.flatten(batch)[0])
+    return columns.rows(columns.first(batch))
 
 
 def _num_batches(data: keras.utils.PyDataset) -> Optional[int]:
@@ -255,25 +256,39 @@ def py_dataset_to_dataset(data: keras.utils.PyDataset, *, shuffle: bool, seed: i
     return dataset
 
 
+SPEC_BATCHES = 2  # Batches a generator's spec is read from (Keras' data_adapter_utils.NUM_BATCHES_FOR_TENSOR_SPEC).
+
+
+def _merged_spec(batches: list) -> Any:  # Dimensions the batches differ in: None (`columns.common_spec`).
+    return tf.nest.map_structure(lambda *leaves: columns.common_spec(leaves), *batches)
+
+
 def generator_to_dataset(generator: Iterator) -> tuple[tf.data.Dataset, int]:
-    """A Python generator's batches as a dataset (read once, on from the first), and the first batch's size."""
-    try:
-        first = _standardize(next(generator))
-    except StopIteration:
-        raise UserError("The generator passed as x is exhausted: it yielded no batch.") from None
-    rest = (_standardize(batch) for batch in generator)
-    chained = itertools.chain([first], rest)
-    dataset = tf.data.Dataset.from_generator(lambda: chained, output_signature=_spec(first, None))
-    return dataset, _batch_size(first)
+    """A Python generator's batches as a dataset (read once, on from the first), and the first batch's size; its
+    spec read from its first batches, as Keras reads it (`_merged_spec`)."""
+    peeked = [_standardize(batch) for batch in itertools.islice(generator, SPEC_BATCHES)]
+    if not peeked:
+        raise UserError("The generator passed as x is exhausted: it yielded no batch.")
+    chained = itertools.chain(peeked, (_standardize(batch) for batch in generator))
+    dataset = tf.data.Dataset.from_generator(lambda: chained, output_signature=_merged_spec(peeked))
+    return dataset, _batch_size(peeked[0])
 
 
-def generator_pass(generator: Iterator) -> tuple[tf.data.Dataset, int]:
-    """A finite generator's one pass read into memory, as a dataset of its batches (its length now known)."""
+def generator_pass(generator: Iterator, what: str = "The generator passed as x") -> tuple[tf.data.Dataset, int]:
+    """A finite generator's one pass read into memory, as a dataset of its batches (its length now known), to be
+    re-cut into global batches: refused where the batches' shapes differ beyond their examples."""
     batches = [_standardize(batch) for batch in generator]
     if not batches:
-        raise UserError("The generator passed as x is exhausted: it yielded no batch.")
+        raise UserError(f"{what} is exhausted: it yielded no batch.")
+    spec, first = _merged_spec(batches), _spec(batches[0], None)
+    if spec != first:
+        raise UserError(f"{what} yields batches whose shapes differ beyond the first dimension (first "
+                        f"{[getattr(s, 'shape', None) for s in tf.nest.flatten(first)]}, all "
+                        f"{[getattr(s, 'shape', None) for s in tf.nest.flatten(spec)]}): tfdist reads it into memory "
+                        "here and re-cuts it into global batches of one shape (Keras takes each batch as it comes). "
+                        "Pad the batches to one shape.")
     size = _batch_size(batches[0])
-    dataset = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=_spec(batches[0], None))
+    dataset = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=first)
     return dataset.apply(tf.data.experimental.assert_cardinality(len(batches))), size
 
 
@@ -291,14 +306,14 @@ def limit_validation(data: Any, steps: Optional[int]) -> Any:
         raise UserError(f"validation_steps={steps!r} must be a positive number of batches, or None (all of "
                         "validation_data).")
     if data is None or steps is None:
-        return generator_pass(data)[0] if is_generator(data) else data
+        return generator_pass(data, "validation_data")[0] if is_generator(data) else data
     if isinstance(data, tf.data.Dataset):
         return data.take(int(steps))
     if is_generator(data) or is_py_dataset(data):
         count = _num_batches(data) if is_py_dataset(data) else None
         read = (data[i] for i in range(min(int(steps), count) if count is not None else int(steps))) \
             if is_py_dataset(data) else itertools.islice(data, int(steps))
-        return generator_pass(read)[0]
+        return generator_pass(read, "validation_data")[0]
     return data
 
 

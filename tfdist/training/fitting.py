@@ -22,7 +22,7 @@ from absl import logging
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
 from tfdist.training import checkpoints as checkpoints_lib, checks, custom_steps, evaluating, export as export_lib, \
-    fit_args, held_out, inputs, plan as plan_lib, preparing, sources, workdir as workdir_lib, zero
+    fit_args, held_out, inputs, plan as plan_lib, preparing, sources, sync_batchnorm, workdir as workdir_lib, zero
 from tfdist.training.callbacks import BATCH_HOOKS, TEST_BATCH_HOOKS, callbacks_for_task, has_batch_hooks
 from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.controller import Controller, LoopOptions, LoopResult
@@ -45,6 +45,8 @@ def fit(
     shuffle: Any = True, class_weight: Optional[dict] = None, validation_split: float = 0.0,
     validation_freq: Any = 1, initial_epoch: int = 0, validation_steps: Optional[int] = None,
     validation_batch_size: Optional[int] = None, drop_remainder: bool = False,
+    sync_batchnorm: bool = False,  # Every BatchNormalization on the global batch's statistics (sync_batchnorm.py).
+    stop_on_nonfinite: bool = False,  # A non-finite loss raises a UserError (Keras' fit, the default, goes on).
 ) -> keras.callbacks.History:
     """Trains `model` (built and compiled under the strategy's scope); returns its History.
 
@@ -55,14 +57,16 @@ def fit(
 
 @preparing.naming_bad_ids
 @preparing.releasing_the_runner
+@sync_batchnorm.restoring
 def train(model: keras.Model, x: Any = None, y: Any = None, **arguments: Any) -> LoopResult:
     """`fit` (the same arguments), returning the loop's result."""
     call = types.SimpleNamespace(**_bound(model, x, y, arguments))
-    backend = preparing.backend_for(call.strategy)
+    backend = preparing.backend_for(call.strategy, model)
     _check_call(call, backend)
     source, validation = _inputs(call, backend)
     plan = _plan(call, backend, source)
     _build(call, backend, source, plan)
+    sync_batchnorm.apply(model, backend, plan.micro_batch, call.sync_batchnorm)  # Before the steps are traced.
     step_counter = _step_counter(call, backend)
     checkpoint = checkpoints_lib.training_checkpoint(model, step_counter)  # Seed generators' state included.
     if call.workdir is not None:
@@ -89,6 +93,8 @@ def train(model: keras.Model, x: Any = None, y: Any = None, **arguments: Any) ->
             result.optimizer_state["loss_scale"] = call.zero.current_scale()
         if rundir is not None and not result.diverged:  # Chief only; staged and renamed into place.
             export_lib.write_exports(rundir, model, call.export, result, checkpoints.latest)
+    # After on_train_end and the exports: what the chief's callbacks wrote is there for every worker's next line.
+    backend.wait_for_peers()
     return result
 
 
@@ -231,7 +237,8 @@ def _controller(call: Any, backend: Backend, plan: LoopPlan, source: sources.Sou
         checkpoint_every_steps=call.checkpoint_every_steps, checkpoint_every_secs=float(call.checkpoint_every_secs),
         summary_every_steps=call.summary_every_steps, profile=profile, progress=bool(call.verbose),
         batch_hooks=has_batch_hooks(callbacks), precision=keras.mixed_precision.dtype_policy().name,
-        initial_epoch=int(call.initial_epoch), validation_freq=call.validation_freq)
+        initial_epoch=int(call.initial_epoch), validation_freq=call.validation_freq,
+        stop_on_nonfinite=bool(call.stop_on_nonfinite))
     train_fn = lambda first: iter(backend.distribute_dataset(source.dataset_fn(plan, backend, first)))  # noqa: E731
     return Controller(steps=functions, backend=backend, plan=plan, train_iterator_fn=train_fn,
                       callbacks=callback_list, history=history, checkpoints=checkpoints, options=options,

@@ -9,9 +9,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.errors import UserError
+from tfdist.errors import UserError, error_text
 from tfdist.training import columns, custom_steps, fit_args, inputs
-from tfdist.training.sources import arrays_from, element_spec
+from tfdist.training.sources import (arrays_from, check_dict_keys, dict_keys, element_spec, given_for_inputs,
+                                     keras_takes_rank, model_inputs)
 
 KERAS_BATCH_SIZE = 32  # Keras' default for evaluate and predict.
 
@@ -39,7 +40,7 @@ def _read_dataset(data: Any, steps: Optional[int], batch_size: Optional[int], wh
             data = data(tf.distribute.InputContext())  # One pipeline, one replica: the whole dataset.
         except Exception as e:  # The user's function: say where it failed, in one paragraph.
             raise UserError(f"The dataset function failed when called with an InputContext: "
-                            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+                            f"{type(e).__name__}: {error_text(e)}") from None
         if not isinstance(data, tf.data.Dataset):
             raise UserError(f"The dataset function must return a tf.data.Dataset, not {type(data).__name__}.")
     if batch_size is not None:
@@ -50,7 +51,7 @@ def _read_dataset(data: Any, steps: Optional[int], batch_size: Optional[int], wh
     elif int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise UserError(f"{what} is an infinite dataset (.repeat()?); pass steps= (the number of batches to use) or "
                         "a finite dataset.")
-    return _joined([tf.nest.map_structure(columns.leaf, element) for element in data], what)
+    return _joined([inputs.map_present(columns.leaf, element) for element in data], what)
 
 
 def _python_batches(data: Any, steps: Optional[int], batch_size: Optional[int], what: str) -> tuple:
@@ -70,11 +71,33 @@ def _python_batches(data: Any, steps: Optional[int], batch_size: Optional[int], 
 def _joined(parts: list, what: str) -> tuple:
     if not parts:
         raise UserError(f"{what} yields no batches; pass a dataset holding at least one batch.")
-    first = tf.nest.flatten(parts[0])[0]
-    if columns.ndim(first) == 0:
+    first = columns.first(parts[0])
+    if first is None or columns.ndim(first) == 0:
         raise UserError(f"{what} yields scalars, not batches; batch it (dataset.batch(32)) first.")
-    joined = tf.nest.map_structure(lambda *leaves: columns.concat(leaves), *parts)
+    try:
+        joined = tf.nest.map_structure(lambda *leaves: _concat(leaves, what), *parts)
+    except UserError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{what} yields batches of different structures ({error_text(e)}); yield every batch as "
+                        "the same structure (x, y, sample_weight).") from None
     return (*unpack(joined, validation=what == "validation_data"), columns.rows(first))
+
+
+def _concat(leaves: tuple, what: str) -> Any:
+    """One input's batches joined; refused where their shapes differ beyond the examples (held-out data is read
+    into one array per input, then re-batched), or where some batches hold None there and others an array."""
+    if any(leaf is None for leaf in leaves) and not all(leaf is None for leaf in leaves):
+        raise UserError(f"{what} yields None for an input in some batches and an array in others; yield one or "
+                        "the other in every batch.")
+    dense = [leaf for leaf in leaves if leaf is not None and not columns.is_composite(leaf)]
+    shapes = list(dict.fromkeys(tuple(np.shape(leaf))[1:] for leaf in dense))  # In order of appearance.
+    if len(shapes) > 1:
+        raise UserError(f"{what} yields batches whose shapes differ beyond the first dimension (examples of shapes "
+                        f"{shapes[0]} and {shapes[1]}): tfdist reads held-out batches into one array per input "
+                        "before the first step and cannot join them (Keras' own evaluate and predict take each batch "
+                        "as it comes). Pad them to one shape, or evaluate them in groups of one shape.")
+    return columns.concat(leaves)
 
 
 def _batch_size(batch_size: Optional[int], steps: Optional[int], num_examples: int) -> int:
@@ -123,9 +146,9 @@ def held_out(model: keras.Model, x: Any, y: Any, sample_weight: Any, batch_size:
 
 def _predict_arrays(model: keras.Model, x: Any) -> inputs.Arrays:
     x = inputs.to_numpy(x)
-    if x is None:
+    if columns.first(x) is None:
         raise UserError("x is None; pass the inputs to predict (arrays, a dict of arrays, or a dataset).")
-    leaves = tf.nest.flatten(x)
+    leaves = columns.present(x)
     for leaf in leaves:
         if columns.ndim(leaf) == 0:
             raise UserError("x holds a scalar; every input needs a leading example dimension.")
@@ -134,45 +157,76 @@ def _predict_arrays(model: keras.Model, x: Any) -> inputs.Arrays:
         raise UserError(f"The inputs of x disagree on the number of examples ({shown}); every array needs the same "
                         "first dimension.")
     _check_structure(model, x)
-    return inputs.Arrays(x)
+    return inputs.Arrays(inputs.absent_marked(_keras_rank(model, x)))
 
 
-def _model_inputs(model: keras.Model) -> Optional[list]:
-    try:
-        found = tf.nest.flatten(model.inputs)
-    except (AttributeError, ValueError):
-        return None
-    return found or None
+def _keras_rank(model: keras.Model, x: Any) -> Any:
+    """`x` with each array's rank as the model's call makes it (`Functional._adjust_input_rank`): a last dimension of 1
+    added where the Input has one more, dropped where it has one fewer. The same values the model computes on, with
+    the shapes its output spec is read for."""
+    wanted, given = model_inputs(model), given_for_inputs(model, x)
+    if wanted is None or given is None:
+        return x
+
+    def adjust(array: Any, tensor: Any) -> Any:
+        if array is None or columns.is_composite(array):
+            return array
+        rank, shape = np.ndim(array), tuple(tensor.shape)
+        if rank == len(shape) - 1 and shape[-1] == 1:
+            return np.expand_dims(array, -1)
+        if rank == len(shape) + 1 and np.shape(array)[-1] == 1:
+            return np.squeeze(array, -1)
+        return array
+
+    adjusted = [adjust(a, t) for a, t in zip(given, wanted)]
+    found = dict_keys(model) if isinstance(x, dict) else None
+    if found is not None:
+        return {**x, **dict(zip(found[0], adjusted))}
+    return tf.nest.pack_sequence_as(x, adjusted)
 
 
 def _describe(tensors: list) -> str:
     return ", ".join(f"{t.name} {tuple(t.shape)}" for t in tensors)
 
 
+def _optional(tensor: Any) -> bool:
+    """Whether a model input is a ``keras.Input(optional=True)``, which takes None."""
+    history = getattr(tensor, "_keras_history", None)
+    return bool(getattr(history[0], "optional", False)) if history else False
+
+
 def _check_structure(model: keras.Model, x: Any) -> None:
-    """Refuses inputs that do not match the model's `keras.Input`s (number, names, shapes), before any step."""
-    wanted = _model_inputs(model)
+    """Refuses inputs that do not match the model's `keras.Input`s (number, keys, shapes) as Keras matches them
+    (`sources.given_for_inputs`: a rank one less or more where Keras adds or drops a last dimension of 1; None
+    for an optional input), before any step."""
+    wanted = model_inputs(model)
     if wanted is None:  # A subclassed model: its call decides (`_output_spec` reports a failure).
         return
     fix = (f"The model takes {len(wanted)} input(s): {_describe(wanted)}. Pass x as "
            + ("one array" if len(wanted) == 1 else "a list in that order, or a dict keyed by those names")
            + " with one row per example.")
     if isinstance(x, dict):
-        names = [t.name for t in wanted]
-        if set(x) != set(names):
-            raise UserError(f"predict: the keys of x ({', '.join(sorted(x))}) do not match the model's inputs. {fix}")
-        given = [x[name] for name in names]
-    else:
-        given = tf.nest.flatten(x)
-    if len(given) != len(wanted):
-        raise UserError(f"predict: x holds {len(given)} array(s), but the model takes {len(wanted)}. {fix}")
+        try:
+            check_dict_keys(model, x, "x")
+        except UserError as e:
+            raise UserError(f"predict: {e} {fix}") from None
+    given = given_for_inputs(model, x)
+    if given is None:
+        raise UserError(f"predict: x holds {len(tf.nest.flatten(x))} array(s), but the model takes {len(wanted)}. "
+                        f"{fix}")
     for array, tensor in zip(given, wanted):
-        shape = tuple(tensor.shape)[1:]
-        given_shape = tuple(array.shape)[1:]
-        if columns.ndim(array) - 1 != len(shape) or any(
-                w is not None and g is not None and w != g for w, g in zip(shape, given_shape)):
+        if array is None:
+            if not _optional(tensor):
+                raise UserError(f"predict: x holds None for input {tensor.name}, which is not optional (only a "
+                                f"keras.Input(optional=True) takes None). {fix}")
+            continue
+        shape = tuple(tensor.shape)
+        given_shape = tuple(array.shape)
+        if not keras_takes_rank(columns.ndim(array), shape, given_shape[-1] if given_shape else None) or (
+                len(given_shape) == len(shape) and any(
+                    w is not None and g is not None and w != g for w, g in zip(shape[1:], given_shape[1:]))):
             raise UserError(f"predict: an array of shape {array.shape} was given for input {tensor.name}, which takes "
-                            f"(examples, {', '.join('None' if d is None else str(d) for d in shape)}). {fix}")
+                            f"(examples, {', '.join('None' if d is None else str(d) for d in shape[1:])}). {fix}")
 
 
 def validation(model: keras.Model, validation_data: Any, source: Any, *, batch_size: Optional[int],
@@ -208,7 +262,7 @@ def validation(model: keras.Model, validation_data: Any, source: Any, *, batch_s
 
 
 def rows(x: Any) -> int:
-    leaves = tf.nest.flatten(x)
-    if not leaves or getattr(leaves[0], "shape", None) is None or not len(leaves[0].shape):
+    leaf = columns.first(x)
+    if leaf is None or getattr(leaf, "shape", None) is None or not len(leaf.shape):
         raise UserError("x must be a batch: an array (or a structure of arrays) whose first dimension is its examples.")
-    return int(leaves[0].shape[0])
+    return int(leaf.shape[0])

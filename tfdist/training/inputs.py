@@ -48,7 +48,7 @@ class Arrays:
 
     @property
     def num_examples(self) -> int:
-        return columns.rows(tf.nest.flatten(self.x)[0])
+        return columns.rows(columns.first(self.x))
 
     @property
     def composite(self) -> bool:
@@ -82,6 +82,56 @@ def to_numpy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(to_numpy(v) for v in value)
     return columns.leaf(value)  # A SparseTensor or RaggedTensor stays one (tfdist.training.columns).
+
+
+def absent_marked(x: Any) -> Any:
+    """`x` with each None leaf (an optional input, ``keras.Input(optional=True)``, given none) held as an
+    ``(examples, 0)`` bool array, which the pipelines split, pad and gather as any input (tf.distribute cannot pad
+    a None in a partial batch); `absent_as_none` turns it back into None where the model is called."""
+    leaves = tf.nest.flatten(x)
+    if all(leaf is not None for leaf in leaves):
+        return x
+    n = columns.rows(columns.first(x))
+    return tf.nest.map_structure(lambda a: np.zeros((n, 0), bool) if a is None else a, x)
+
+
+def absent_marked_dataset(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """A dataset of replica batches whose x holds None (an optional input given none, `tf.NoneTensorSpec`) with
+    `absent_marked`'s marks there instead (tf.distribute cannot pad a None in a partial batch); any other dataset
+    as it is. Never unbatched after: tf.data's ``unbatch()`` crashes on a zero-size tensor."""
+    spec = dataset.element_spec
+    x_spec = spec[0] if isinstance(spec, tuple) else spec
+    if not any(isinstance(leaf, tf.NoneTensorSpec) for leaf in tf.nest.flatten(x_spec)):
+        return dataset
+
+    def mark(x: Any) -> Any:
+        n = columns.batch_rows(columns.first(x))
+        return tf.nest.map_structure(lambda a: tf.zeros([n, 0], tf.bool) if a is None else a, x)
+
+    if isinstance(spec, tuple):
+        return dataset.map(lambda *element: (mark(element[0]), *element[1:]))
+    return dataset.map(mark)
+
+
+def is_absent(value: Any) -> bool:
+    """Whether a leaf is `absent_marked`'s mark (array, tensor or KerasTensor)."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or columns.is_composite(value):
+        return False
+    shape = tf.TensorShape(shape)
+    if shape.rank != 2 or shape[1] != 0:
+        return False
+    try:
+        return tf.as_dtype(dtype) == tf.bool
+    except TypeError:
+        return False
+
+
+def absent_as_none(x: Any) -> Any:
+    """`x` as the model takes it: each `absent_marked` mark None again."""
+    if x is None:
+        return None
+    return tf.nest.map_structure(lambda a: None if is_absent(a) else a, x)
 
 
 def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
@@ -310,7 +360,7 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
             return tf.data.Dataset.from_tensor_slices(tuple(map_present(cut, element)))
 
         def mine_split(*element: Any) -> tf.data.Dataset:
-            n = columns.batch_rows(tf.nest.flatten(element)[0])
+            n = columns.batch_rows(columns.first(element))
 
             def replica_batch(local: tf.Tensor) -> tuple:
                 rows = split_range(0, n, replicas, first + local)
@@ -327,7 +377,9 @@ def global_batches_fn(dataset: tf.data.Dataset, *, per_replica_batch: int, start
             ds = dataset.unbatch().batch(global_batch).repeat().skip(start_step).flat_map(mine_split)
         else:
             ds = dataset.repeat().unbatch().batch(global_batch, drop_remainder=True).skip(start_step).flat_map(mine)
-        return ds.prefetch(tf.data.AUTOTUNE).with_options(options())
+        # An optional input's None marked in the replicas' batches: not before, as tf.data's unbatch() crashes on
+        # a zero-size tensor.
+        return absent_marked_dataset(ds).prefetch(tf.data.AUTOTUNE).with_options(options())
 
     return dataset_fn
 

@@ -59,6 +59,30 @@ def optimizers(optimizer: Any) -> list:
     return found
 
 
+def wrapped_optimizers(optimizer: Any) -> list:
+    """The optimizer and every Keras optimizer it wraps, at any depth: a `LossScaleOptimizer`'s, a
+    `MultiOptimizer`'s, or a user's wrapper's, found among its attributes (alone, or in a list, tuple or dict).
+
+    Each applies the gradients it is given with Keras' own ``apply``, which sums them across replicas: every
+    one of them needs tfdist's hooks, not only the outermost.
+    """
+    found: list = []
+
+    def visit(opt: Any) -> None:
+        if any(opt is seen for seen in found):
+            return
+        found.append(opt)
+        for value in list(vars(opt).values()):
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                else (value,)
+            for item in list(items):
+                if isinstance(item, keras.optimizers.Optimizer):
+                    visit(item)
+
+    visit(optimizer)
+    return found
+
+
 def check_internals(model: keras.Model, *, asynchronous: bool = False) -> None:
     """Raises a `UserError` naming each Keras internal tfdist needs that this Keras lacks."""
     missing = [f"keras.src.losses.loss.{name}" for name in ("scale_loss_for_distribution",
@@ -68,7 +92,7 @@ def check_internals(model: keras.Model, *, asynchronous: bool = False) -> None:
                  "_loss_tracker", "_compile_loss", "_losses_override"):
         if not hasattr(model, name):
             missing.append(f"Model.{name}")
-    for opt in optimizers(model.optimizer):
+    for opt in wrapped_optimizers(model.optimizer):
         if not callable(getattr(type(opt), "_all_reduce_sum_gradients", None)):
             missing.append(f"{type(opt).__name__}._all_reduce_sum_gradients")
         if asynchronous and not callable(getattr(getattr(opt, "_iterations", None), "assign_add", None)):
@@ -206,7 +230,7 @@ def no_gradient_sum(optimizer: Any) -> Iterator[None]:
     (`unsorted_segment_sum` adds in input order): the same sum, in a fixed order.
     """
     with contextlib.ExitStack() as stack:
-        for opt in optimizers(optimizer):
+        for opt in wrapped_optimizers(optimizer):
             stack.enter_context(_replaced(opt, "_all_reduce_sum_gradients", _summed_already(opt),
                                           this_thread=False))
             for name in ("assign_add", "assign_sub"):
@@ -243,7 +267,7 @@ def atomic_iterations(optimizer: Any) -> Iterator[None]:
     228 of 300 steps counted with 2 workers). An atomic ``assign_add`` counts all.
     """
     with contextlib.ExitStack() as stack:
-        for opt in optimizers(optimizer):
+        for opt in wrapped_optimizers(optimizer):
             counter = opt._iterations
             stack.enter_context(_replaced(counter, "assign_add", _atomic(counter), this_thread=False))
         yield

@@ -83,6 +83,8 @@ class Summaries:
 
     def add(self, totals: np.ndarray, step: int, num: int) -> None:
         """An execution of `num` steps ending at `step`: written every ``every_steps`` steps (0: each time)."""
+        if self.writer is None:  # Nothing to write (a worker, or no run directory): nothing computed.
+            return
         layout = self.layout
         self.totals = totals if self.totals is None else layout.combine(self.totals, totals)
         if self.every and step // self.every == (step - num) // self.every:
@@ -133,31 +135,45 @@ class Profiler:
 
 
 class NonFiniteGuard:
-    """Non-finite losses: Keras' NaN logs for callbacks (TerminateOnNaN), and a `UserError` for divergence.
+    """Non-finite steps (the summed gradients, hence the loss, NaN or inf): Keras' fit goes on, and so does this.
 
-    Without loss scaling a non-finite step stops training (unless a callback already stopped it); under loss
-    scaling a step whose gradients overflowed is skipped, and only ``MAX_NONFINITE_STEPS`` in a row are
-    divergence."""
+    By default (``stop``: False) a non-finite step is trained as Keras trains it (the weights stop being finite)
+    and logged once as a warning; a callback (TerminateOnNaN) may stop training. ``stop``: True (tfdist-train,
+    ``fit(stop_on_nonfinite=True)``) raises a `UserError` at such a step unless a callback already stopped it,
+    with a NaN loss in the logs of its batch and epoch. Under loss scaling a step whose gradients overflowed is
+    skipped either way, and only ``MAX_NONFINITE_STEPS`` in a row are divergence (a `UserError`)."""
 
-    def __init__(self, loss_scaling: bool):
-        self.loss_scaling = loss_scaling
+    def __init__(self, loss_scaling: bool, stop: bool = False):
+        self.loss_scaling, self.stop = loss_scaling, stop
         self.in_a_row = 0
         self.batch = False  # Since the last per-batch hook.
         self.epoch = False  # In this epoch.
         self.seen = False  # In this run: a callback that stops after it leaves weights not worth saving.
+        self.warned = False
 
     def note(self, nonfinite: int) -> None:
         """An execution's count of non-finite steps, before its batch hooks."""
         self.batch = self.batch or bool(nonfinite and not self.loss_scaling)
 
     def check(self, nonfinite: int, num: int, step: int, stopping: bool) -> None:
-        """After the batch hooks (which may have stopped training): refuses a diverged run."""
-        self.epoch = self.epoch or bool(nonfinite and not self.loss_scaling)
+        """After the batch hooks (which may have stopped training): refuses a diverged run, or warns once."""
+        unskipped = bool(nonfinite and not self.loss_scaling)
+        self.epoch = self.epoch or unskipped
         self.seen = self.seen or self.epoch
-        if nonfinite and not self.loss_scaling and not stopping:
+        if unskipped and self.stop and not stopping:
             raise UserError(
                 f"The training loss became non-finite (NaN or inf) in {nonfinite} of the steps up to step {step}; "
-                "lower the learning rate (or add warm-up). No checkpoint was written for these steps.")
+                "lower the learning rate (or add warm-up). No checkpoint was written for these steps. (Keras' fit "
+                "would go on; tfdist.fit does so unless stop_on_nonfinite=True.)")
+        if unskipped and not self.warned:
+            self.warned = True
+            logging.warning(
+                "The training loss (or its gradients) became non-finite (NaN or inf) in %d of the steps up to step "
+                "%d. Training goes on, as Keras' fit does, and the weights are no longer finite. To stop at such a "
+                "step add keras.callbacks.TerminateOnNaN(), or pass tfdist.fit(..., stop_on_nonfinite=True) to stop "
+                "with an error.", nonfinite, step)
+        if not self.loss_scaling:
+            return
         self.in_a_row = self.in_a_row + nonfinite if nonfinite == num else 0
         if self.in_a_row >= MAX_NONFINITE_STEPS:
             raise UserError(
@@ -166,8 +182,9 @@ class NonFiniteGuard:
                 "learning rate (or add warm-up). No checkpoint was written for these steps.")
 
     def logs(self, logs: dict, scope: str) -> dict:
-        """Keras' logs show a NaN loss after a non-finite step; `scope` "batch" or "epoch" (then reset)."""
-        if getattr(self, scope):
+        """With ``stop``, the logs show a NaN loss after a non-finite step; `scope` "batch" or "epoch" (then reset).
+        Without, they are the running means, as Keras' (NaN once a NaN loss is in them)."""
+        if getattr(self, scope) and self.stop:
             logs["loss"] = float("nan")
         setattr(self, scope, False)
         return logs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import keras
 import numpy as np
@@ -100,16 +100,42 @@ class MetricLayout:
         start = 0
         for metric in self.metrics:
             count = len(metric.variables)
-            result = metric.stateless_result(values[start:start + count])
+            result = stateless_result(metric, values[start:start + count])
             start += count
-            items = result.items() if isinstance(result, dict) else [(metric.name, result)]
-            for name, value in items:
-                value = np.asarray(value)
+            for name, value in _flat_items(result, metric.name):
                 logs[name] = float(value) if value.ndim == 0 else value  # As Keras' pythonify_logs.
         if self.keys is not None:
             last = self.logs.results(np.asarray(totals[self.base:])) if self.logs is not None else {}
             logs = {key: logs[key] if key in logs else last[key] for key in self.keys}
         return {prefix + name: value for name, value in logs.items()}
+
+
+def stateless_result(metric: keras.metrics.Metric, values: Sequence[np.ndarray]) -> Any:
+    """``metric.stateless_result(values)`` as numpy arrays, read while the values stand for its variables.
+
+    Keras' stateless_result returns what ``result()`` returns once its state mapping has ended, so a
+    ``result()`` that returns a state variable itself (keras.io's ``CategoricalTruePositives``) would be read
+    live: the variable's value, not the summed states, and under a multi-worker strategy a read of a
+    sync-on-read variable is a collective only the task that reads it issues. Every leaf is read inside the
+    mapping here, and a leaf that is one of the metric's own TensorFlow variables is its mapped value.
+    """
+    variables = list(metric.variables)
+    own = {id(tf_variable(v)): value for v, value in zip(variables, values)}
+    with keras.StatelessScope(state_mapping=list(zip(variables, values))):  # Keras' stateless_result, read inside.
+        return keras.tree.map_structure(lambda leaf: _read(leaf, own), metric.result())
+
+
+def _flat_items(result: Any, name: str) -> list[tuple[str, np.ndarray]]:
+    """A metric's result as (name, value) pairs: a dict's items, nested dicts flattened (Keras' pythonify_logs)."""
+    if not isinstance(result, dict):
+        return [(name, result)]
+    return [item for key, value in result.items() for item in _flat_items(value, str(key))]
+
+
+def _read(leaf: Any, own: dict) -> np.ndarray:
+    if isinstance(leaf, tf.Variable) and id(leaf) in own:  # A raw tf.Variable behind a metric variable.
+        return np.asarray(own[id(leaf)])
+    return np.asarray(leaf)  # A Keras variable reads its mapped value in the scope.
 
 
 class LogLayout:

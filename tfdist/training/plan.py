@@ -1,4 +1,5 @@
-"""The run's numbers (`LoopPlan`): batches, steps, epochs and executions, and the checks a resume makes on them."""
+"""The run's numbers (`LoopPlan`): batches, steps, epochs and executions, the checks a resume makes on them, and
+what the workers' plans differ in (`task_plans`, `plan_differences`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 from typing import Any, Optional, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -281,3 +283,34 @@ def write_plan(rundir: Any, plan: LoopPlan) -> None:
     """plan.json: what a resume must match (`check_resume`), and the replicas it ran on."""
     rundir.write_text(PLAN_FILE, json.dumps({**plan.resume_fields(), "num_replicas": plan.num_replicas},
                                             indent=2, sort_keys=True) + "\n")
+
+
+# The plan check across tasks (`checks.check_agreement`) ---------------------------------------------
+def task_plans(backend: Backend, plan: LoopPlan) -> dict[int, dict[str, Any]]:
+    """Every training task's `resume_fields`, by worker index: two gathers every task joins (the text's lengths,
+    then the texts, padded), so all tasks must call it together."""
+    text = json.dumps({"worker": backend.worker_index, "fields": plan.resume_fields()}, sort_keys=True).encode()
+    lengths = backend.gather_from_tasks(np.array([len(text)], np.int64)).reshape(-1)
+    row = np.zeros([int(lengths.max())], np.int64)
+    row[:len(text)] = np.frombuffer(text, np.uint8)
+    rows = backend.gather_from_tasks(row)
+    plans = [json.loads(bytes(r[:n].astype(np.uint8)).decode()) for r, n in zip(rows, lengths)]
+    return {p["worker"]: p["fields"] for p in plans}  # A worker of several replicas sends one row per replica.
+
+
+def plan_differences(plans: dict[int, dict[str, Any]]) -> str:
+    """Each field whose value differs between tasks, with each task's value: "global_batch (worker 0: 128,
+    worker 1: 64); ..." ("absent" where a task's plan lacks the field)."""
+    def text(value: Any) -> str:
+        return "absent" if value is _ABSENT else json.dumps(value, sort_keys=True)
+
+    parts = []
+    for name in sorted(set().union(*plans.values())):
+        values = {worker: text(fields.get(name, _ABSENT)) for worker, fields in sorted(plans.items())}
+        if len(set(values.values())) > 1:
+            shown = (f"worker {w}: {v if len(v) <= 200 else v[:197] + '...'}" for w, v in values.items())
+            parts.append(f"{name} ({', '.join(shown)})")
+    return "; ".join(parts)
+
+
+_ABSENT = object()

@@ -1,8 +1,18 @@
 """`tfdist.predict` and `predict_on_batch`: Keras' `Model.predict` under any tfdist backend, every row once,
-in input order (each replica writes its rows into a zero buffer; the buffers are sum-reduced)."""
+in input order.
+
+Each replica predicts its rows and returns them with their positions in the input; an execution returns every
+local replica's rows (on a multi-worker job every replica's, all-gathered), one step at a time, and the host
+writes them at their positions into the result, as Keras appends each batch's outputs. The compiled execution
+is kept per model and backend, as Keras keeps `model.predict_function` (dropped when the model is compiled
+again): batches have an unknown first dimension, so it is traced once per input signature, whatever the batch
+size or number of examples (TPUs: once per batch size, their shapes static).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from typing import Any, Optional, Sequence
 
 import keras
@@ -14,20 +24,27 @@ from tfdist.errors import UserError
 from tfdist.training import checks, columns, custom_steps, evaluating, inputs, preparing
 from tfdist.training.callbacks import PREDICT_BATCH_HOOKS
 from tfdist.training.held_out import held_out, rows
-from tfdist.training.steps import execution
+
+# The most output bytes a compiled call returns (at least one step's): a step's rows are held twice on the device
+# (the TensorArray, its concatenation), so an execution's are fetched in parts of this size, the callbacks still
+# called once an execution. Keras' own predict holds one batch's.
+_CALL_BYTES = 64 << 20
+# Dtypes TensorFlow's collective all-gather takes; other outputs (bool, small ints) travel as int32.
+_GATHERABLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
 # predict -------------------------------------------------------------------------------------
 def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: int,
-                      keras_batch: Optional[int] = None) -> inputs.DatasetFn:
-    """Per-replica batches ``(x, positions)`` in `inputs.eval_arrays_fn`'s layout, always padded (static shapes).
+                      keras_batch: Optional[int] = None, static_shapes: bool = True) -> inputs.DatasetFn:
+    """Per-replica batches ``(x, positions)`` in `inputs.eval_arrays_fn`'s layout, always padded.
 
     ``positions`` are the examples' indices in the input; padding rows (whose
     inputs repeat the last example) have positions past the end, so their
-    predictions land past the last row and are cut off on the host. With
-    `keras_batch` step s is Keras' batch s split as evenly as can be over the
-    replicas (`inputs.eval_arrays_fn`); padding rows then have position -1 (the
-    predictor's spare row).
+    predictions are dropped on the host. With `keras_batch` step s is Keras'
+    batch s split as evenly as can be over the replicas
+    (`inputs.eval_arrays_fn`); padding rows then have position -1. Without
+    `static_shapes` the batches' first dimension is unknown to the compiled
+    function (one trace for every batch size).
     """
     num = arrays.num_examples
 
@@ -47,6 +64,8 @@ def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: i
                 mine = inputs.split_range(start, tf.clip_by_value(num - start, 0, keras_batch), replicas,
                                           first_replica + local)
                 positions = tf.concat([mine, -tf.ones([per_replica_batch - tf.size(mine)], tf.int64)], 0)
+            if not static_shapes:
+                positions = tf.compat.v1.placeholder_with_default(positions, [None])
             indices = tf.clip_by_value(positions, 0, num - 1)
             return tf.nest.map_structure(lambda t: columns.gather(t, indices), x), positions
 
@@ -57,50 +76,128 @@ def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: i
 
 
 class _Predictor:
-    """The compiled predict execution: each replica scatters its rows into a zero window, summed across replicas."""
+    """One model's compiled predict execution under one backend: each step's rows and their positions, as every
+    local replica (on a multi-worker job, every replica: `gather`) predicted them, in one TensorArray an output.
 
-    def __init__(self, model: keras.Model, backend: Backend, specs: list, window: int):
-        self.model, self.backend, self.specs, self.window = model, backend, specs, window
-        self.execution = execution(backend, self._step, zeros=self._buffers, reduce=self._reduce)
+    Holds the model weakly (the cache it lives in is keyed by the model) and its output specs by input
+    signature; `composite` is the one-task call for ragged and sparse outputs (`_predict_composite`)."""
 
-    def _buffers(self) -> Any:
-        return self.backend.run_eval(self._zeros, ())
+    def __init__(self, model: keras.Model, backend: Backend):
+        self._model = weakref.ref(model)
+        self.backend = backend
+        self.gather = backend.sharded_input and backend.num_workers > 1  # Each process runs some replicas.
+        self.specs: dict[Any, Any] = {}
+        self.function = backend.compile(self._run)
+        self.step_function = backend.compile(self._one_step)
+        self.composite = tf.function(self._call, reduce_retracing=True)
 
-    def _step(self, element: tuple, buffers: Any, offset: tf.Tensor) -> Any:
-        return self.backend.run_eval(self._replica_step, (element, buffers, offset))
+    def _call(self, x: Any) -> Any:
+        return self._model()(inputs.absent_as_none(x), training=False)
 
-    def _reduce(self, buffers: Any) -> list[tf.Tensor]:
-        return [self.backend.reduce_eval(b) for b in buffers]
+    def _run(self, iterator: Any, num_steps: tf.Tensor, dtypes: tuple) -> list[list[tf.Tensor]]:
+        """`num_steps` steps: each leaf's rows (the outputs', then the positions), in one part."""
+        arrays = [tf.TensorArray(dtype, size=tf.cast(num_steps, tf.int32), infer_shape=False)
+                  for dtype in (*dtypes, tf.int64)]
+        for step in tf.range(tf.cast(num_steps, tf.int32)):
+            tf.autograph.experimental.set_loop_options(parallel_iterations=1)  # One step's collectives at a time.
+            values = self.backend.run_eval(self._replica_step, (next(iterator),))
+            arrays = [array.write(step, tf.concat(self._local_rows(value), 0)) for array, value in zip(arrays, values)]
+        return [[array.concat()] for array in arrays]
 
-    def _zeros(self) -> list[tf.Tensor]:  # One spare row past the window: padding rows (position -1) land there.
-        return [tf.zeros((self.window + 1, *shape), dtype) for shape, dtype in self.specs]
+    def _one_step(self, iterator: Any) -> list[list[tf.Tensor]]:
+        """One step: each leaf's rows as each local replica holds them (no copy: large outputs)."""
+        values = self.backend.run_eval(self._replica_step, (next(iterator),))
+        return [list(self._local_rows(value)) for value in values]
 
-    def _replica_step(self, element: tuple, buffers: list, offset: tf.Tensor) -> list[tf.Tensor]:
+    def _local_rows(self, value: Any) -> tuple:
+        if isinstance(value, tf.distribute.DistributedValues):
+            values = self.backend.strategy.experimental_local_results(value)
+        else:
+            values = (value,)
+        return tuple(values[:1]) if self.gather else tuple(values)  # Gathered: each local replica holds all.
+
+    def _replica_step(self, element: tuple) -> list[tf.Tensor]:
         x, positions = element
-        outputs = tf.nest.flatten(self.model(x, training=False))
-        # Within the window (the execution's steps cover it), or the spare row.
-        rows = tf.reshape(tf.where(positions >= 0, positions - offset, self.window), [-1, 1])
-        return [tf.tensor_scatter_nd_add(buffer, rows, tf.cast(output, buffer.dtype))
-                for buffer, output in zip(buffers, outputs)]
+        values = [*tf.nest.flatten(self._model()(inputs.absent_as_none(x), training=False)), positions]
+        if self.gather:
+            values = [self._all_gather(value, f"tfdist_predict_{j}") for j, value in enumerate(values)]
+        return values
+
+    def _all_gather(self, value: tf.Tensor, name: str) -> tf.Tensor:
+        with tf.device(self._replica_device()):  # tf.distribute gathers to the tensor's device: it needs one.
+            sent = tf.identity(value if value.dtype in _GATHERABLE else tf.cast(value, tf.int32))
+        gathered = self.backend.all_gather(sent, name)
+        if gathered is None:  # This backend's reductions do not gather; its replica context does.
+            gathered = tf.distribute.get_replica_context().all_gather(sent, axis=0)
+        return tf.cast(gathered, value.dtype)
+
+    def _replica_device(self) -> str:
+        try:
+            index = self.backend.replica_index()
+        except (ValueError, AttributeError):  # One trace for every replica (TPUs), or no replica context.
+            return ""
+        return dict(self.backend.local_replicas()).get(index, "")
+
+    def output_spec(self, arrays: inputs.Arrays, batch: int) -> Any:
+        """The model's output spec for inputs like `arrays` (in batches of `batch`), kept by input signature."""
+        key = str(tf.nest.map_structure(lambda a: (type(a).__name__, tuple(a.shape[1:]), str(a.dtype)), arrays.x))
+        if key not in self.specs:
+            self.specs[key] = _output_spec(self._model(), arrays, batch)
+        return self.specs[key]
+
+
+@dataclasses.dataclass
+class _Compiled:
+    """A model's predictors by backend, and the compile they were made after (`model._compile_config`)."""
+
+    compile_config: Any
+    predictors: dict[int, _Predictor] = dataclasses.field(default_factory=dict)
+
+
+_PREDICTORS: "weakref.WeakKeyDictionary[keras.Model, _Compiled]" = weakref.WeakKeyDictionary()
+
+
+def _predictor(model: keras.Model, backend: Backend) -> _Predictor:
+    """The model's predictor under `backend`: made once, again after the model is compiled again (as Keras
+    drops `model.predict_function` in `compile`)."""
+    config = getattr(model, "_compile_config", None)
+    compiled = _PREDICTORS.get(model)
+    if compiled is None or compiled.compile_config is not config:
+        compiled = _PREDICTORS[model] = _Compiled(config)
+    if id(backend) not in compiled.predictors:  # The predictor holds the backend: its id stays its own.
+        compiled.predictors[id(backend)] = _Predictor(model, backend)
+    return compiled.predictors[id(backend)]
+
+
+def _cannot_take(e: Exception) -> UserError:
+    return UserError(f"predict: the model cannot take x ({' '.join(str(e).split())[:300]}). Pass x structured as "
+                     "the model's inputs (one array, a list, or a dict keyed by input name), one row per example.")
 
 
 def _output_spec(model: keras.Model, arrays: inputs.Arrays, batch: int) -> Any:
     example = tf.nest.map_structure(
         lambda a: keras.KerasTensor((batch, *a.shape[1:]), a.dtype.name, sparse=isinstance(a, tf.SparseTensor),
                                     ragged=isinstance(a, tf.RaggedTensor)), arrays.x)
+    example = inputs.absent_as_none(example)
     try:
+        if any(leaf is None for leaf in tf.nest.flatten(example)):  # An optional input given none: Keras' own
+            # compute_output_spec compares every input's shape; a symbolic call takes the None, as predict does.
+            return keras.src.backend.compute_output_spec(lambda x: model(x, training=False), example)
         return model.compute_output_spec(example)
     except Exception as e:  # The model's own call on these inputs: one paragraph naming the fix.
-        raise UserError(f"predict: the model cannot take x ({' '.join(str(e).split())[:300]}). Pass x structured as "
-                        "the model's inputs (one array, a list, or a dict keyed by input name), one row per "
-                        "example.") from None
+        raise _cannot_take(e) from None
 
 
 def _build_for_predict(model: keras.Model, backend: Backend, arrays: inputs.Arrays) -> None:
+    """Builds the model as Keras' first call would (its variables the strategy's). Before its output spec: an
+    unbuilt `Sequential` without an `Input` has no spec until then."""
     if model.built:
         return
-    with backend.scope():  # The variables are the strategy's.
-        model(inputs.map_present(lambda a: columns.head(a, 1), arrays.x), training=False)
+    try:
+        with backend.scope():
+            model(inputs.absent_as_none(inputs.map_present(lambda a: columns.head(a, 1), arrays.x)), training=False)
+    except Exception as e:  # The model's own call on these inputs.
+        raise _cannot_take(e) from None
 
 
 @preparing.naming_bad_ids
@@ -119,7 +216,7 @@ def predict(
 
     Returns a numpy array, or the model's output structure (dict, list) of them.
     """
-    backend = preparing.backend_for(strategy)
+    backend = preparing.backend_for(strategy, model)
     if custom_steps.overrides(model, "predict_step"):
         raise UserError(f"{type(model).__name__} overrides predict_step(); tfdist.predict gathers the outputs of "
                         "model(x) from every replica, and cannot run a custom predict_step yet. Apply its extra logic "
@@ -127,59 +224,79 @@ def predict(
     arrays, batch = held_out(model, x, None, None, batch_size, steps, targets=False)
     per_execution = evaluating.per_execution_steps(steps_per_execution, backend, model, callbacks, PREDICT_BATCH_HOOKS)
     checks.check_scope(model, backend)
-    spec = _output_spec(model, arrays, batch)
     _build_for_predict(model, backend, arrays)
-    replicas = evaluating.evaluating_replicas(backend)
-    split = evaluating.keras_batch_steps(model, backend, callbacks, PREDICT_BATCH_HOOKS)
-    num, rows_per_step = arrays.num_examples, batch if split else batch * replicas
-    num_steps = evaluating.num_steps(num, batch, backend, split)
+    predictor = _predictor(model, backend)
+    spec = predictor.output_spec(arrays, batch)
     leaves = tf.nest.flatten(spec)
     # Ragged inputs give ragged outputs (their spec may not say so); sparse ones dense outputs, as a rule.
     if any(isinstance(a, tf.RaggedTensor) for a in tf.nest.flatten(arrays.x)) or \
             any(getattr(leaf, "ragged", False) or getattr(leaf, "sparse", False) for leaf in leaves):
-        return _predict_composite(model, backend, arrays, batch, spec, callbacks, verbose)
+        return _predict_composite(model, backend, predictor, arrays, batch, spec, callbacks, verbose)
     specs = [(tuple(leaf.shape)[1:], tf.as_dtype(leaf.dtype)) for leaf in leaves]
     if any(d is None for shape, _ in specs for d in shape):
         raise UserError(f"predict: the model's outputs have no fixed shape for these inputs ({[s for s, _ in specs]} "
                         "per example); tfdist.predict gathers fixed-shape rows. Pad the inputs to a fixed shape.")
-    predictor = _Predictor(model, backend, specs, window=per_execution * rows_per_step)
+    replicas = evaluating.evaluating_replicas(backend)
+    split = evaluating.keras_batch_steps(model, backend, callbacks, PREDICT_BATCH_HOOKS)
+    num, rows_per_step = arrays.num_examples, batch if split else batch * replicas
+    num_steps = evaluating.num_steps(num, batch, backend, split)
     iterator = iter(backend.distribute_eval_dataset(predict_arrays_fn(
         arrays, per_replica_batch=-(-batch // replicas) if split else batch, steps=num_steps,
-        keras_batch=batch if split else None)))
+        keras_batch=batch if split else None, static_shapes=backend.device_kind == "tpu" or predictor.gather)))
+    results = [np.empty((num, *shape), dtype.as_numpy_dtype) for shape, dtype in specs]
+    dtypes = tuple(dtype.name for _, dtype in specs)
     callback_list = evaluating.callback_list(model, backend, callbacks, verbose, num_steps)
+    row_bytes = sum(int(np.prod(shape)) * dtype.size for shape, dtype in specs)
+    per_call = max(1, _CALL_BYTES // max(1, rows_per_step * row_bytes))
     callback_list.on_predict_begin()
-    parts: list[list[np.ndarray]] = []
+    written = 0
     for first, count in evaluating.executions(num_steps, per_execution):
         callback_list.on_predict_batch_begin(first)
+        for _, part in evaluating.executions(count, per_call):
+            with backend.scope():
+                values = predictor.step_function(iterator) if per_call == 1 else \
+                    predictor.function(iterator, tf.constant(part, tf.int64), dtypes)
+            written += _place(results, values, num)
         offset = first * rows_per_step
-        with backend.scope():
-            window = predictor.execution(iterator, tf.constant(count, tf.int64), tf.constant(offset, tf.int64))
-        real = min(num - offset, count * rows_per_step)
-        kept = [np.asarray(w)[:real] for w in window]
-        parts.append(kept)
+        kept = [result[offset:offset + count * rows_per_step] for result in results]
         callback_list.on_predict_batch_end(first + per_execution - 1,
                                            {"outputs": tf.nest.pack_sequence_as(spec, kept)})
+    if written != num:
+        raise RuntimeError(f"predict wrote {written} rows, expected {num}.")
     callback_list.on_predict_end()
     backend.leave_last()
-    joined = [np.concatenate([p[i] for p in parts]) for i in range(len(leaves))]
-    return tf.nest.pack_sequence_as(spec, joined)
+    return tf.nest.pack_sequence_as(spec, results)
 
 
-def _predict_composite(model: keras.Model, backend: Backend, arrays: inputs.Arrays, batch: int, spec: Any,
-                       callbacks: Any, verbose: Any) -> Any:
-    """Ragged or sparse outputs (no fixed-shape row window holds them): Keras' batches in order, each a call of
-    the model on this task (the strategy's variables read as they are), joined as Keras joins them."""
+def _place(results: list[np.ndarray], values: list[list[tf.Tensor]], num: int) -> int:
+    """Writes a call's rows at their positions: `values` holds each output's parts, then the positions' parts;
+    padding rows (positions outside the input) are dropped. Returns the rows written."""
+    written = 0
+    for part, positions in enumerate(values[-1]):
+        positions = np.asarray(positions)
+        kept = (positions >= 0) & (positions < num)
+        everything = bool(kept.all())
+        for result, parts in zip(results, values[:-1]):
+            rows = np.asarray(parts[part])
+            result[positions if everything else positions[kept]] = rows if everything else rows[kept]
+        written += int(kept.sum())
+    return written
+
+
+def _predict_composite(model: keras.Model, backend: Backend, predictor: _Predictor, arrays: inputs.Arrays,
+                       batch: int, spec: Any, callbacks: Any, verbose: Any) -> Any:
+    """Ragged or sparse outputs (no fixed-shape rows): Keras' batches in order, each a call of the model on this
+    task (the strategy's variables read as they are), joined as Keras joins them."""
     num = arrays.num_examples
     num_steps = -(-num // batch)
     callback_list = evaluating.callback_list(model, backend, callbacks, verbose, num_steps)
     callback_list.on_predict_begin()
     parts = []
-    call = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
     for step in range(num_steps):
         callback_list.on_predict_batch_begin(step)
         x = inputs.map_present(lambda a: columns.rows_range(a, step * batch, min(num, (step + 1) * batch)), arrays.x)
         with backend.scope():
-            outputs = tf.nest.map_structure(columns.leaf, call(x))
+            outputs = tf.nest.map_structure(columns.leaf, predictor.composite(x))
         parts.append(tf.nest.flatten(outputs))
         callback_list.on_predict_batch_end(step, {"outputs": outputs})
     callback_list.on_predict_end()

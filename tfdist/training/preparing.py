@@ -9,22 +9,31 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfdist.distribute import strategies
+from tfdist.distribute import adopting, strategies
 from tfdist.distribute.backend import Backend
-from tfdist.errors import UserError
-from tfdist.training import custom_steps
+from tfdist.errors import UserError, error_text
+from tfdist.training import custom_steps, inputs
 from tfdist.training.controller import Preempted
 
 
 # Strategy and model ---------------------------------------------------------------
-def backend_for(strategy: Any) -> Backend:
+def backend_for(strategy: Any, model: Any = None) -> Backend:
+    """The backend of `strategy` (make_strategy's, or the program's own tf.distribute strategy, wrapped: `adopting`);
+    without one, of the strategy `model` was built under; else of the last make_strategy (TensorFlow's default)."""
+    if strategy is None and model is not None:
+        strategy = adopting.model_strategy(model)
     if strategy is not None:
-        backend = strategies.backend_of(strategy)
-        if backend is None:
-            raise UserError("The strategy passed to tfdist.fit was not made by tfdist.make_strategy; build it with "
-                            "tfdist.make_strategy(name, ...) so tfdist knows its topology.")
-        return backend
+        return adopting.backend_for_strategy(strategy)
     return strategies.current_backend()
+
+
+def backend_used(strategy: Any, model: Any) -> Any:
+    """The backend `backend_for` gave this call, or None (never raises: for the way out)."""
+    if strategy is None and model is not None:
+        strategy = adopting.model_strategy(model)
+    if strategy is None:
+        return strategies._CURRENT[0] if strategies._CURRENT else None
+    return adopting.known_backend(strategy)
 
 
 def build(model: keras.Model, backend: Backend, example: tuple, *, optimizer_state: bool = True) -> None:
@@ -40,9 +49,9 @@ def build(model: keras.Model, backend: Backend, example: tuple, *, optimizer_sta
         try:
             if unbuilt:  # Keras builds an unbuilt optimizer here: marked built while the model builds.
                 optimizer.built = True
-            model._symbolic_build(data_batch=(x, y, sample_weight))
+            model._symbolic_build(data_batch=(inputs.absent_as_none(x), y, sample_weight))
         except (ValueError, TypeError) as e:
-            raise UserError(f"The model cannot take these inputs: {' '.join(str(e).split())[:400]}") from None
+            raise UserError(f"The model cannot take these inputs: {error_text(e)}") from None
         finally:
             if unbuilt:
                 optimizer.built = False
@@ -62,8 +71,7 @@ def releasing_the_runner(fit_fn: Any) -> Any:
             finished = True  # Every task stopped together and saved.
             raise
         finally:
-            backend = strategies.backend_of(kwargs["strategy"]) if kwargs.get("strategy") is not None \
-                else strategies.current_backend()
+            backend = backend_used(kwargs.get("strategy"), kwargs.get("model", args[0] if args else None))
             if backend is not None:
                 backend.release_runner(finished=finished)
     return fit_and_release

@@ -10,7 +10,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist.distribute.backend import Backend
-from tfdist.errors import UserError
+from tfdist.errors import UserError, error_text
 from tfdist.training import columns, custom_steps, inputs
 from tfdist.training.plan import LoopPlan
 
@@ -26,31 +26,59 @@ def _input_names(model: keras.Model) -> Optional[list[str]]:
         return None
 
 
+def dict_keys(model: keras.Model) -> Optional[tuple[list[str], bool]]:
+    """The keys a dict `x` is matched by, as Keras' functional models match them (`Functional._standardize_inputs`),
+    and whether they must be all of x's keys: a model built with a dict (``keras.Model(inputs={...})``) takes its
+    own keys, exactly; any other takes its `keras.Input` names, and x may hold more keys (Keras takes the named
+    ones). None where the model's call alone decides (a subclassed model)."""
+    built_with = getattr(model, "_inputs_struct", None)
+    if isinstance(built_with, dict):
+        return sorted(built_with), True
+    names = _input_names(model)
+    return (names, False) if names else None
+
+
+def check_dict_keys(model: keras.Model, x: Any, what: str) -> None:
+    """Refuses a dict `x` whose keys the model does not match to its inputs (`dict_keys`), before any step."""
+    found = dict_keys(model) if isinstance(x, dict) else None
+    if found is None:
+        return
+    keys, exact = found
+    if set(keys) <= set(x) and (not exact or set(x) == set(keys)):
+        return
+    if exact:
+        raise UserError(f"The keys of {what} ({', '.join(sorted(x))}) do not match the model's inputs: it was built "
+                        f"with a dict of inputs keyed {', '.join(keys)} (keras.Model(inputs={{...}})), so x is a dict "
+                        "with those keys, as Keras matches them.")
+    raise UserError(f"The keys of {what} ({', '.join(sorted(x))}) do not match the model's inputs "
+                    f"({', '.join(sorted(keys))}); use one key per keras.Input, named as the Input's name.")
+
+
 def arrays_from(model: keras.Model, x: Any, y: Any, sample_weight: Any, what: str) -> inputs.Arrays:
-    """Checks and converts array inputs; `what` names them in errors ('x' or 'validation_data')."""
+    """Checks and converts array inputs; `what` names them in errors ('x' or 'validation_data'). A None in x is an
+    optional input (``keras.Input(optional=True)``) given none, as Keras takes it; the model's build refuses it
+    for any other input."""
     x, y, sample_weight = inputs.to_numpy(x), inputs.to_numpy(y), inputs.to_numpy(sample_weight)
     if y is None and sample_weight is not None:
         raise UserError(f"{what} has sample weights but no targets; the weights weigh a compiled loss against y. Pass "
                         "y, or fold the weights into the loss your model adds (add_loss).")
-    if isinstance(x, dict):
-        names = _input_names(model)
-        if names and set(x) != set(names):
-            raise UserError(
-                f"The keys of {what} ({', '.join(sorted(x))}) do not match the model's inputs "
-                f"({', '.join(sorted(names))}); use one key per keras.Input, named as the Input's name.")
+    if columns.first(x) is None:
+        raise UserError(f"{what}: x holds no array (None alone); pass the model's inputs, one row per example.")
+    check_dict_keys(model, x, what)
     lengths = {}
     for label, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
-        if value is None:
-            continue
-        for i, leaf in enumerate(tf.nest.flatten(value)):
+        leaves = tf.nest.flatten(value)
+        for i, leaf in enumerate(leaves):
+            if leaf is None:
+                continue
             if columns.ndim(leaf) == 0:
                 raise UserError(f"{what}: {label} holds a scalar; every input needs a leading example dimension.")
-            lengths[f"{label}[{i}]" if len(tf.nest.flatten(value)) > 1 else label] = columns.rows(leaf)
+            lengths[f"{label}[{i}]" if len(leaves) > 1 else label] = columns.rows(leaf)
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"{k}: {v}" for k, v in lengths.items())
         raise UserError(f"The inputs of {what} disagree on the number of examples ({shown}); every array needs the "
                         "same first dimension.")
-    return inputs.Arrays(x, y, sample_weight)
+    return inputs.Arrays(inputs.absent_marked(x), y, sample_weight)
 
 
 class Source:
@@ -83,12 +111,13 @@ class Source:
         if self.arrays is not None:
             return inputs.map_present(lambda a: columns.head(a, size), self.arrays.structure)
         element = tuple(self.spec) + (None,) * (3 - len(self.spec))
-        return inputs.map_present(lambda s: keras.KerasTensor((size, *s.shape[1:]), s.dtype.name), element)
+        return inputs.map_present(lambda s: None if isinstance(s, tf.NoneTensorSpec) else
+                                  keras.KerasTensor((size, *s.shape[1:]), s.dtype.name), element)
 
     def check_batches(self, plan: LoopPlan) -> None:
         if self.kind != "dataset_fn":
             return
-        for leaf in tf.nest.flatten(self.spec[0]):
+        for leaf in columns.present(self.spec[0]):
             size = leaf.shape[0] if leaf.shape.rank else None
             if size is not None and size != plan.per_replica_batch:
                 raise UserError(
@@ -117,15 +146,50 @@ class Source:
         return inputs.resumed_fn(self.function, start_step=first, sharded=backend.sharded_input)
 
 
-def _check_rank(model: keras.Model, spec: Any, what: str) -> None:
-    """A dataset yielding single examples instead of batches is recognised by its rank."""
+def model_inputs(model: keras.Model) -> Optional[list]:
     try:
-        wanted = [len(t.shape) for t in tf.nest.flatten(model.inputs)]
+        return list(tf.nest.flatten(model.inputs)) or None
     except (AttributeError, ValueError):
+        return None
+
+
+def given_for_inputs(model: keras.Model, x: Any) -> Optional[list]:
+    """The leaves of `x` (arrays or specs) in the order of the model's `keras.Input`s, matched as Keras matches
+    them (a dict by `dict_keys`, else in order); None where the model has no Inputs or x does not match them."""
+    wanted = model_inputs(model)
+    if wanted is None:
+        return None
+    found = dict_keys(model) if isinstance(x, dict) else None
+    if found is not None:
+        keys = found[0]
+        if not set(keys) <= set(x):
+            return None
+        given = [x[k] for k in keys]
+    else:
+        given = tf.nest.flatten(x)
+    return given if len(given) == len(wanted) else None
+
+
+def keras_takes_rank(rank: int, shape: tuple, given_last: Any) -> bool:
+    """Whether Keras' functional model takes a batch of `rank` for an Input of `shape` (batch dimension included):
+    the same rank, or one less where the Input's last dimension is 1 (Keras adds it), or one more where the
+    batch's is (Keras drops it) (`Functional._adjust_input_rank`)."""
+    return rank == len(shape) or (rank == len(shape) - 1 and shape[-1] == 1) or \
+        (rank == len(shape) + 1 and given_last == 1)
+
+
+def _check_rank(model: keras.Model, spec: Any, what: str) -> None:
+    """A dataset yielding single examples instead of batches is recognised by its rank. Keras takes every
+    dataset's elements as batches, so one that Keras takes (a batch of 1-D features for an Input of shape
+    ``(1,)``, which Keras expands) is a dataset of batches here too."""
+    wanted, given = model_inputs(model), given_for_inputs(model, spec)
+    if wanted is None or given is None:
         return
-    given = [leaf.shape.rank for leaf in tf.nest.flatten(spec)]
-    if len(wanted) == len(given) and all(g is not None and g == w - 1 for g, w in zip(given, wanted)):
-        raise UserError(f"{what} yields single examples (shape {tf.nest.flatten(spec)[0].shape}), not batches; batch "
+    pairs = [(leaf, tuple(t.shape)) for leaf, t in zip(given, wanted) if not isinstance(leaf, tf.NoneTensorSpec)]
+    ranks = [(leaf.shape.rank, shape, leaf.shape[-1] if leaf.shape.rank else None) for leaf, shape in pairs]
+    if ranks and all(r is not None and r == len(shape) - 1 for r, shape, _ in ranks) and \
+            not all(keras_takes_rank(*entry) for entry in ranks):
+        raise UserError(f"{what} yields single examples (shape {pairs[0][0].shape}), not batches; batch "
                         "it (dataset.batch(...)) before passing it to tfdist.fit.")
 
 
@@ -143,22 +207,23 @@ def element_spec(model: keras.Model, dataset: tf.data.Dataset, what: str) -> tup
 
 def first_batch_size(dataset: tf.data.Dataset) -> int:
     for element in dataset.take(1):
-        return int(tf.shape(tf.nest.flatten(element)[0])[0])
+        return int(columns.batch_rows(columns.first(element)))
     raise UserError("The training dataset is empty.")
 
 
 COUNT_LIMIT = 1_000_000  # Batches of a dataset of unknown length counted before it is refused (maybe endless).
 
 
-def _count_examples(dataset: tf.data.Dataset) -> int:
-    """The examples of one pass of a dataset of unknown length (filter(), from_generator()), read once; refused
-    past COUNT_LIMIT batches (it may be endless). A count, not a time: every worker decides alike."""
+def _count_examples(dataset: tf.data.Dataset) -> tuple[int, int]:
+    """(The examples, the largest batch) of one pass of a dataset of unknown length (filter(), from_generator()),
+    read once; refused past COUNT_LIMIT batches (it may be endless). A count, not a time: every worker decides
+    alike."""
     logging.info("The training dataset's length is unknown: reading one pass to count its examples (Keras reads it "
                  "to its end as its first epoch).")
-    sizes = dataset.take(COUNT_LIMIT + 1).map(lambda *e: columns.batch_rows(tf.nest.flatten(e)[0]))
-    examples, batches, shown = 0, 0, time.time()
+    sizes = dataset.take(COUNT_LIMIT + 1).map(lambda *e: columns.batch_rows(columns.first(e)))
+    examples, batches, largest, shown = 0, 0, 0, time.time()
     for size in sizes:
-        examples, batches = examples + int(size), batches + 1
+        examples, batches, largest = examples + int(size), batches + 1, max(largest, int(size))
         if time.time() - shown > 30:
             logging.info("Counting the training dataset: %d batches so far (pass steps_per_epoch= to skip this).",
                          batches)
@@ -170,11 +235,12 @@ def _count_examples(dataset: tf.data.Dataset) -> int:
                         "dataset.apply(tf.data.experimental.assert_cardinality(batches)).")
     if batches == 0:
         raise UserError("The training dataset is empty.")
-    return examples
+    return examples, largest
 
 
-def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
-    """The examples in one pass over a dataset of batches (Keras trains each pass as an epoch).
+def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> tuple[int, Optional[int]]:
+    """(The examples in one pass over a dataset of batches (Keras trains each pass as an epoch), its largest batch
+    where the batches have no static size, else None).
 
     From the number of batches and the batch size, or, where the batches have no
     static size (``dataset.batch(b)``), by reading one pass and adding its batch sizes.
@@ -188,9 +254,11 @@ def _dataset_examples(dataset: tf.data.Dataset, static: Optional[int]) -> int:
     if cardinality == 0:
         raise UserError("The training dataset is empty.")
     if static is not None:
-        return cardinality * static
-    sizes = dataset.map(lambda *e: tf.shape(tf.nest.flatten(e)[0], out_type=tf.int64)[0])
-    return int(sizes.reduce(tf.constant(0, tf.int64), lambda total, n: total + n))  # One pass, read once.
+        return cardinality * static, None
+    sizes = dataset.map(lambda *e: tf.cast(columns.batch_rows(columns.first(e)), tf.int64))
+    zero = tf.constant(0, tf.int64)
+    total, largest = sizes.reduce((zero, zero), lambda seen, n: (seen[0] + n, tf.maximum(seen[1], n)))  # One pass.
+    return int(total), int(largest)
 
 
 def adapt(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: Any, batch_size: Any,
@@ -204,7 +272,8 @@ def adapt(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: A
             raise UserError("Under parameter servers pass a dataset function (input_context -> per-replica batches) "
                             "or arrays; a tf.data.Dataset object cannot be sent to the workers.")
         spec = element_spec(model, x, "The training dataset")
-        static = tf.nest.flatten(spec[0])[0].shape[0]
+        static = columns.first(spec[0]).shape[0]
+        given_batch = batch_size
         if batch_size is None:
             batch_size = static if static is not None else first_batch_size(x)
         cardinality = int(x.cardinality())
@@ -221,7 +290,10 @@ def adapt(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: A
             # take, the dataset repeated as needed (one that ends restarts, where Keras would end the epoch).
             return Source("dataset", batch_size=batch_size, num_examples=steps_per_epoch * int(batch_size),
                           steps_per_epoch=steps_per_epoch, dataset=x, spec=spec, model=model)
-        examples = examples if examples is not None else _dataset_examples(x, static)
+        if examples is None:
+            examples, largest = _dataset_examples(x, static)
+            # The largest batch of the pass, not the first one met: the same in every process whatever the order.
+            batch_size = largest if given_batch is None and largest else batch_size
         return Source("dataset", batch_size=batch_size, num_examples=examples,
                       steps_per_epoch=steps_per_epoch or -(-examples // int(batch_size)),  # The last one short.
                       dataset=x, spec=spec, model=model, partial=examples % int(batch_size) != 0, finite=True)
@@ -237,7 +309,7 @@ def adapt(model: keras.Model, backend: Backend, x: Any, y: Any, sample_weight: A
             probe = x(context)
         except Exception as e:  # The user's function: say where it failed, in one paragraph.
             raise UserError(f"The dataset function failed when called with an InputContext: "
-                            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+                            f"{type(e).__name__}: {error_text(e)}") from None
         if not isinstance(probe, tf.data.Dataset):
             raise UserError(f"The dataset function must return a tf.data.Dataset, not {type(probe).__name__}.")
         spec = element_spec(model, probe, "The dataset function's dataset")

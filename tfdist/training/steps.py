@@ -21,21 +21,22 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.layers.sharded_embedding import sharded_tables
-from tfdist.training import custom_steps, inputs as inputs_lib, keras_hooks, sparse_updates, updates
+from tfdist.training import columns, custom_steps, inputs as inputs_lib, keras_hooks, sparse_updates, updates
 from tfdist.training.layer_state import RecordingScope, global_statistics, synced_state, where_present, write_state
 from tfdist.training.losses import forward_losses, loss_kind, mask_padding, model_losses
 from tfdist.training.metric_state import MetricLayout, LogLayout
 
 
 def _batch_size(x: Any) -> tf.Tensor:
-    return tf.shape(tf.nest.flatten(x)[0])[0]
+    return tf.shape(columns.first(x))[0]  # Not an optional input's None.
 
 
 def _unpack(data: Any) -> tuple:
+    """(x, y, sample_weight), x as the model takes it (an optional input given none: None, `inputs.absent_as_none`)."""
     if isinstance(data, (tuple, list)):
         data = tuple(data) + (None,) * (3 - len(data))
-        return data[0], data[1], data[2]
-    return data, None, None
+        return inputs_lib.absent_as_none(data[0]), data[1], data[2]
+    return inputs_lib.absent_as_none(data), None, None
 
 
 def _add_grads(a: Any, b: Any) -> Any:
@@ -233,7 +234,9 @@ class StepFunctions:
                     global_state=global_statistics(model))
         self.updated_state.update(forward.updated)
         finite = tf.math.is_finite(unscaled)
-        deltas = [tf.where(finite, d, tf.zeros_like(d)) for d in deltas]
+        # A part with no example adds nothing (a summed loss divides by its zero share); a non-finite loss counts,
+        # as in Keras' metrics (NaN logs after a NaN loss).
+        deltas = [tf.where(size > 0, d, tf.zeros_like(d)) for d in deltas]
         return grads, deltas, finite, size
 
     def _micro_batches(self, data: Any) -> list:
