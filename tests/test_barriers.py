@@ -70,7 +70,7 @@ def test_a_worker_that_raises_after_fit_ends_the_job_within_30_s_naming_its_erro
 def test_a_chief_failing_in_its_last_callback_ends_the_others_wait_at_the_end_of_fit():
     """Worker 1 waits at the end of fit for the chief's callbacks; the chief's raises in on_train_end. Worker 1's
     wait ends at once with the chief's error (it would wait up to the barrier's hour otherwise)."""
-    code, output, ended = launch("callback", "0")
+    code, output, _ = launch("callback", "0")
     assert code != 0, output[-4000:]
     assert re.search(r"^\[worker:1\] tfdist\.distribute\.barriers\.PeerFailed: \[worker:1\] another task of the job "
                      r"failed before the end of fit: worker:0 failed: RuntimeError: the chief's callback broke$",

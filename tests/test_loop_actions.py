@@ -85,7 +85,8 @@ def test_a_non_finite_loss_trains_on_as_keras_fit_does(tmp_path, caplog):
         np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs))
     assert any(np.isnan(w).any() for w in model.get_weights())
     assert len(warnings_about_nonfinite(caplog)) == 1
-    saved = sorted(int(p.name.split("-")[1].split(".")[0]) for p in (tmp_path / "w" / "checkpoints").glob("ckpt-*.index"))
+    indexes = (tmp_path / "w" / "checkpoints").glob("ckpt-*.index")
+    saved = sorted(int(p.name.split("-")[1].split(".")[0]) for p in indexes)
     assert saved and max(saved) <= 2, saved  # Step 4 (past the NaN batch) on: not finite, not saved.
     assert not (tmp_path / "w" / "model.keras").exists()
 

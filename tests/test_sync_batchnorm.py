@@ -4,6 +4,9 @@ statistics, as Keras' one-device fit, leaves the user's layers as they were, and
 Plain SGD, float32, batch 8 on 2 replicas (4 examples each), against Keras' own one-device `fit`.
 """
 
+import os
+import subprocess
+import sys
 import types
 
 import keras
@@ -11,48 +14,23 @@ import numpy as np
 import pytest
 
 import tfdist
+from tests.batchnorm_model import X, Y, TRAIN, cnn, fit, keras_fit, norms
+from tests.conftest import REPO, subprocess_env
+from tests.test_horovod import horovodrun, needs_horovod
 from tfdist.training import sync_batchnorm
 
 MIRRORED = {"all_reduce": "reduce_to_one"}  # As test_fitting: one strategy's collectives per process.
-RNG = np.random.default_rng(0)
-X = RNG.normal(size=(80, 6, 6, 1)).astype("float32")
-Y = RNG.integers(0, 3, size=80)
-TRAIN, VALID = slice(0, 64), slice(64, 80)
-
-
-def cnn(user_synchronized=False):
-    """A small CNN whose BatchNormalization layers sit at top level and inside a nested model (momentum 0.5,
-    so the moving statistics move visibly in 8 steps)."""
-    init = keras.initializers.GlorotUniform
-    block = keras.Sequential([keras.layers.Dense(8, kernel_initializer=init(2)),
-                              keras.layers.BatchNormalization(momentum=0.5, synchronized=user_synchronized),
-                              keras.layers.ReLU()], name="block")
-    model = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(4, 3, kernel_initializer=init(0)),
-                              keras.layers.BatchNormalization(momentum=0.5), keras.layers.ReLU(),
-                              keras.layers.Flatten(), block, keras.layers.Dense(3, kernel_initializer=init(1))])
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    return model
 
 
 def two_replicas():
     return tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
 
 
-def fit(fit_fn, model, **arguments):
-    return fit_fn(model, X[TRAIN], Y[TRAIN], batch_size=8, epochs=1, shuffle=False,
-                  validation_data=(X[VALID], Y[VALID]), verbose=0, **arguments).history
-
-
-def norms(model):
-    return sync_batchnorm.batch_norm_layers(model)
-
-
 def test_the_option_trains_batch_norm_as_one_device_and_the_default_does_not():
     """8 steps of batch 8 on 2 replicas: with sync_batchnorm the weights, moving statistics and logs equal Keras'
     one-device fit (1e-5); without it each replica's 4 examples give other statistics, and other weights."""
     reference = cnn()
-    expected = fit(lambda model, *a, **k: model.fit(*a, **k), reference)
+    expected = fit(keras_fit, reference)
     with two_replicas().scope():
         synced, default = cnn(), cnn()
     history = fit(tfdist.fit, synced, sync_batchnorm=True)
@@ -64,6 +42,38 @@ def test_the_option_trains_batch_norm_as_one_device_and_the_default_does_not():
         np.testing.assert_allclose(history[key], expected[key], atol=1e-5, err_msg=key)
     assert max(float(np.abs(a - b).max()) for a, b in zip(default.get_weights(), reference.get_weights())) > 1e-3
     assert [layer.synchronized for layer in norms(synced)] == [False, False]
+
+
+def check_job(out):
+    """Both tasks of tests/programs/sync_batchnorm.py ended with Keras' one-device weights (1e-5) and their
+    layers given back."""
+    reference = cnn()
+    fit(keras_fit, reference)
+    wanted = reference.get_weights()
+    for task in (0, 1):
+        saved = np.load(os.path.join(out, f"task{task}.npz"))
+        for i, want in enumerate(wanted):
+            np.testing.assert_allclose(saved[f"arr_{i}"], want, atol=1e-5, rtol=0, err_msg=f"task {task}, {i}")
+        assert not saved["synchronized"].any()
+
+
+@pytest.mark.jobs
+def test_two_workers_with_the_option_train_as_one_device(tmp_path):
+    """2 MultiWorkerMirrored workers of 4 examples each: the statistics are the global batch's."""
+    result = subprocess.run([sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2", "--", sys.executable,
+                             "tests/programs/sync_batchnorm.py", str(tmp_path), "multi_worker_mirrored"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO, env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_job(tmp_path)
+
+
+@needs_horovod
+def test_two_horovod_ranks_with_the_option_train_as_one_device(tmp_path):
+    """2 Horovod ranks (no replica context: the statistics' sums go through Horovod)."""
+    result = horovodrun([sys.executable, os.path.join(REPO, "tests", "programs", "sync_batchnorm.py"),
+                         str(tmp_path), "horovod"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_job(tmp_path)
 
 
 class Failing(keras.callbacks.Callback):

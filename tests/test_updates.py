@@ -74,3 +74,16 @@ def test_an_optimizer_of_optimizers_trains_as_keras_on_two_replicas(make_optimiz
     assert [int(o.iterations) for o in ours] == [int(o.iterations) for o in theirs] == [10, 10]
     for opt in [model.optimizer, *ours]:
         assert not {"_all_reduce_sum_gradients", "assign_add", "assign_sub"} & set(vars(opt))
+
+
+def test_zero_stage_refuses_an_optimizer_of_optimizers():
+    """Sharding copies one optimizer per replica: a MultiOptimizer is refused before any step (it used to fail
+    inside the traced step with a bare AssertionError)."""
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = model_fn(multi_optimizer)
+    start = model.get_weights()
+    with pytest.raises(tfdist.UserError, match="an optimizer of optimizers, such as MultiOptimizer, is not sharded"):
+        tfdist.fit(model, X, Y, batch_size=8, epochs=1, verbose=0, zero_stage=1)
+    for a, b in zip(model.get_weights(), start):
+        np.testing.assert_array_equal(a, b)

@@ -82,7 +82,8 @@ def report_failures(backend: Any) -> None:
         previous(kind, error, trace)
         if hasattr(sys, "ps1") or kind.__module__ == "tfdist.training.preemption":
             return  # An interactive session goes on; a preemption stops every task alike.
-        tell_the_others(f"{kind.__name__}: {one_paragraph(str(error))[:1000]}".rstrip(": "))
+        message = one_paragraph(str(error))[:1000]
+        tell_the_others(f"{kind.__name__}: {message}" if message else kind.__name__)
         _exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
 
     sys.excepthook = hook

@@ -43,8 +43,13 @@ def check_scope(model: keras.Model, backend: Backend) -> None:
         value = tf_variable(variable)
         if strategy_default or extended is None:
             if isinstance(value, tf.distribute.DistributedValues):
-                raise UserError(f"The model's variable {variable.path} belongs to another tf.distribute strategy; build "
-                                "and compile the model under the scope of the strategy you train with.")
+                owner = type(getattr(value, "_distribute_strategy", None)).__name__
+                raise UserError(
+                    f"The model's variable {variable.path} belongs to a {owner}, but this call trains under "
+                    f"tfdist's {backend.name} strategy (strategy=, or the last tfdist.make_strategy), which cannot "
+                    "update it. Pass the strategy the model was built under as strategy= (any tf.distribute "
+                    "strategy is taken), or leave strategy= out (tfdist then takes the model's), or build and "
+                    "compile the model under the scope of the strategy you train with.")
             continue
         if not extended.variable_created_in_scope(value):
             raise UserError(

@@ -167,7 +167,8 @@ class GlobalGradients:
                     f"The custom train_step calls {type(opt).__name__}.apply on variable "
                     f"{getattr(variable, 'path', variable.name)}, which was not created under the strategy's scope; "
                     "its updates could not reach the other replicas. Create every layer and variable the step "
-                    "trains inside `with strategy.scope():` (with the strategy from tfdist.make_strategy)."))
+                    "trains inside `with strategy.scope():` of the strategy the model was built under (the "
+                    "program's own tf.distribute strategy, or tfdist.make_strategy's)."))
                 raise self.refused[-1]
 
     def _global(self, grads: list) -> list:

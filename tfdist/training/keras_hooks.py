@@ -15,8 +15,9 @@ three places, each of which goes through a private Keras name:
 - Keras' TensorFlow optimizer sums the gradients across replicas inside
   ``apply`` (``_all_reduce_sum_gradients``); tfdist has already summed them
   (before clipping and the loss-scale finite check), so `no_gradient_sum` makes
-  that sum the identity (and merges a sparse increment's repeated rows, so
-  every worker applies it bit for bit alike).
+  that sum the identity in the model's optimizer and in every one it wraps
+  (`wrapped_optimizers`: a loss scale's, a ``MultiOptimizer``'s), and merges a
+  sparse increment's repeated rows, so every worker applies it bit for bit alike.
 - Under parameter servers, ``optimizer._iterations.assign_add`` must be an atomic
   increment (`atomic_iterations`).
 

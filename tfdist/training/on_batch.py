@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError
-from tfdist.training import checks, custom_steps, fitting, inputs, preparing, sources
+from tfdist.training import checks, columns, custom_steps, fitting, inputs, preparing, sources
 from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.controller import LoopResult
 from tfdist.training.held_out import rows
@@ -88,13 +88,70 @@ def _one_step(model: keras.Model, x: Any, y: Any, **arguments: Any) -> LoopResul
     # No run directory: nothing is saved (fit's checkpoint, which would hold the model, is never read).
     checkpoints = Checkpoints(tf.train.Checkpoint(), kept.step_counter, None, backend, call.keep_checkpoints)
     controller = fitting._controller(call, backend, plan, source, kept.functions, checkpoints, None, validation)
+    if _direct(backend, source, plan):  # The batch placed on the replicas as it is: no input pipeline to build.
+        batch = _Batch(backend.strategy.experimental_distribute_values_from_function(_replica_batches(source, plan)))
+        controller.train_iterator_fn = lambda first: batch
     return controller.run(0)
+
+
+# The batch without an input pipeline ---------------------------------------------------------------------
+@dataclasses.dataclass
+class _Batch:
+    """The one step's per-replica batches, in place of the iterator the training execution reads."""
+
+    element: Any
+
+
+def _direct(backend: Backend, source: sources.Source, plan: LoopPlan) -> bool:
+    """Whether the step's per-replica batches can be made here, as `inputs.train_arrays_fn` makes step 0's:
+    arrays (not sparse or ragged) of one step, unshuffled, on one process's replicas. A tf.data pipeline and
+    its iterator (a multi-device one on several replicas) cost 0.1-0.5 s to build, far more than the step."""
+    return (source.kind == "arrays" and backend.sharded_input and not source.arrays.composite and
+            not plan.streamed and not source.shuffle and plan.total_steps == 1 and backend.num_workers == 1 and
+            backend.name in ("default", "one_device", "mirrored"))
+
+
+def _replica_batches(source: sources.Source, plan: LoopPlan) -> Any:
+    """Replica r's batch of step 0: `inputs.train_arrays_fn`'s rows and layout (with `partial_last`, the rows
+    split as evenly as can be and the step's example count last)."""
+    tensors = inputs.map_present(columns.constant, source.arrays.structure)
+    replicas, per_replica, total = plan.num_replicas, plan.per_replica_batch, plan.global_batch
+
+    def batch(ctx: tf.distribute.ValueContext) -> tuple:
+        r = ctx.replica_id_in_sync_group
+        if plan.partial_last:
+            indices = inputs.split_range(0, total, replicas, r)
+            return inputs.drop_none(_gather(tensors, indices)) + (tf.constant(float(total), tf.float32),)
+        return inputs.drop_none(_gather(tensors, tf.range(r * per_replica, (r + 1) * per_replica, dtype=tf.int64)))
+
+    return batch
+
+
+def _gather(tensors: tuple, indices: tf.Tensor) -> tuple:
+    return inputs.map_present(lambda t: columns.gather(t, indices), tensors)
 
 
 # The kept steps ----------------------------------------------------------------------------------------
 class _Steps(StepFunctions):
-    """`StepFunctions` holding its model weakly: the cache that keeps it is keyed by the model, so a strong
-    reference would keep every model alive."""
+    """`StepFunctions` holding its model weakly (the cache that keeps it is keyed by the model, so a strong
+    reference would keep every model alive), whose training execution also takes a `_Batch`."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.iterated = self.train_execution
+        self.direct = self.backend.compile(self._direct_execution)
+        self.train_execution = self._execute
+
+    def _execute(self, iterator: Any, num_steps: Any, stop: Any) -> Any:
+        if isinstance(iterator, _Batch):
+            return self.direct(iterator.element, stop)
+        return self.iterated(iterator, num_steps, stop)
+
+    def _direct_execution(self, element: Any, stop: Any) -> Any:
+        """`steps.execution` of one step, its batch given."""
+        totals = self._train_one(element, self._train_totals(), stop)
+        self._sync_state()
+        return self.backend.reduce_sum(totals)
 
     @property
     def model(self) -> keras.Model:
@@ -132,8 +189,8 @@ def traces(model: keras.Model) -> int:
     compiled = _KEPT.get(model)
     if compiled is None:
         return 0
-    return sum(kept.functions.train_execution.experimental_get_tracing_count()
-               for kept in compiled.steps.values())
+    return sum(function.experimental_get_tracing_count() for kept in compiled.steps.values()
+               for function in (kept.functions.iterated, kept.functions.direct))
 
 
 def _signature(source: sources.Source, plan: LoopPlan, jit: bool, row_sparse: bool) -> str:
