@@ -1,4 +1,6 @@
-"""tfdist.training.inputs: the topology-independent training order and exact evaluation, on real digits."""
+"""tfdist.training.inputs: the topology-independent training order and exact evaluation, on real digits; and
+the input forms Keras takes (optional inputs given None, 1-D arrays and datasets for inputs of shape (1,), dicts
+keyed as the model was built, generator batches of different lengths), each against Keras on 2 replicas."""
 
 import hashlib
 

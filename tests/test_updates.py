@@ -87,3 +87,19 @@ def test_zero_stage_refuses_an_optimizer_of_optimizers():
         tfdist.fit(model, X, Y, batch_size=8, epochs=1, verbose=0, zero_stage=1)
     for a, b in zip(model.get_weights(), start):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_multi_optimizer_run_resumes_on_keras_trajectory(tmp_path):
+    """The workdir's checkpoint holds the inner optimizers' state (momentum, step counts), which TensorFlow's
+    checkpoint of a MultiOptimizer leaves out: a run stopped at step 6 and resumed ends on Keras' weights."""
+    reference = model_fn(multi_optimizer)
+    reference.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    for max_steps in (6, None):
+        with strategy.scope():
+            model = model_fn(multi_optimizer)
+        tfdist.fit(model, X, Y, batch_size=8, epochs=2, max_steps=max_steps, shuffle=False, verbose=0,
+                   workdir=str(tmp_path / "w"))
+    for got, wanted in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, wanted, atol=1e-5)
+    assert [int(o.iterations) for o in model.optimizer.optimizers] == [10, 10]

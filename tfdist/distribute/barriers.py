@@ -73,10 +73,11 @@ def coordination(backend: Any) -> Optional[tuple[bool, list[str]]]:
 def report_failures(backend: Any) -> None:
     """Installs, once a process, the hook that tells the job's other tasks of this task's uncaught error (after
     Python has printed it); a no-op where the job has no coordination service."""
-    if "label" in _STATE or coordination(backend) is None:
+    found = coordination(backend)
+    if "label" in _STATE or found is None:
         return
     _STATE["label"] = backend.task_label
-    previous = sys.excepthook
+    previous, (leader, others) = sys.excepthook, found
 
     def hook(kind: type, error: BaseException, trace: Any) -> None:
         previous(kind, error, trace)
@@ -84,6 +85,8 @@ def report_failures(backend: Any) -> None:
             return  # An interactive session goes on; a preemption stops every task alike.
         message = one_paragraph(str(error))[:1000]
         tell_the_others(f"{kind.__name__}: {message}" if message else kind.__name__)
+        if leader:  # The others learn of the error from this task's service: let them take it first.
+            wait_until_closed(others, FAILED_LEADER_WAIT_S)
         _exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
 
     sys.excepthook = hook
@@ -199,9 +202,7 @@ def _leave(label: str, leader: bool, others: list[str]) -> None:
     from absl import logging
     from tensorflow.python.eager import context
 
-    if "failed" in _STATE:
-        if leader:  # The others learn of the error from this task's service: let them take it first.
-            wait_until_closed(others, FAILED_LEADER_WAIT_S)
+    if "failed" in _STATE:  # Its error ended the others' waits (`report_failures`).
         return
     start = time.monotonic()
     try:

@@ -185,7 +185,21 @@ def training_checkpoint(model: Any, step: tf.Variable) -> tf.train.Checkpoint:
     if sharded_tables(model) and not overrides(model, "train_step"):
         model_view, optimizer_view = sharded_checkpoint_views(model)
         return tf.train.Checkpoint(model=model_view, optimizer=optimizer_view, step=step, **seeds)
-    return tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step, **seeds)
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step, **seeds,
+                               **_inner_optimizers(model.optimizer))
+
+
+def _inner_optimizers(optimizer: Any) -> dict:
+    """A `MultiOptimizer`'s inner optimizers (their slots and step counts), which TensorFlow's checkpoint of the
+    optimizer does not reach: Keras holds them in a list of its own."""
+    import keras
+
+    from tfdist.training.keras_hooks import optimizers as keras_optimizers
+
+    inner = keras_optimizers(optimizer)[-1]
+    if not isinstance(inner, keras.optimizers.MultiOptimizer):
+        return {}
+    return {"inner_optimizers": _Named({str(i): opt for i, opt in enumerate(inner.optimizers)})}
 
 
 def restore_checkpoint(checkpoint: tf.train.Checkpoint, path: str) -> None:

@@ -208,8 +208,10 @@ def _check_structure(model: keras.Model, x: Any) -> None:
     if isinstance(x, dict):
         try:
             check_dict_keys(model, x, "x")
-        except UserError as e:
-            raise UserError(f"predict: {e} {fix}") from None
+        except UserError as e:  # Keyed by the model's own dict keys: its message says which; else by Input name.
+            raise UserError(f"predict: {e}" if dict_keys(model)[1] else
+                            f"predict: the keys of x ({', '.join(sorted(x))}) do not match the model's inputs. {fix}"
+                            ) from None
     given = given_for_inputs(model, x)
     if given is None:
         raise UserError(f"predict: x holds {len(tf.nest.flatten(x))} array(s), but the model takes {len(wanted)}. "

@@ -13,7 +13,10 @@ step in its `Controller`), but the compiled steps are kept, as Keras keeps ``mod
 structure, dtypes and shapes past the batch dimension), traced on the first call and again only where Keras'
 own function retraces (a new batch size: the batches' shapes are static). The cache is dropped when the model
 is compiled again or given another optimizer (Keras resets its ``train_function`` in ``compile``); it holds the
-model weakly, so a model the program drops is freed with its steps.
+model weakly, so a model the program drops is freed with its steps. On one process's replicas the batch is placed
+on them as the input pipeline would give it (`_replica_batches`), without building one: a tf.data pipeline and
+its iterator cost far more than a small model's step. Multi-worker jobs (every worker calls with the same batch)
+read it through `tfdist.fit`'s pipeline.
 
 `tfdist.fit` leaves ``model.history`` and ``model.stop_training`` as a fit does; Keras' `train_on_batch` touches
 neither, so both are put back. Parameter servers are refused: one step at a time leaves every worker but one
@@ -139,7 +142,9 @@ class _Steps(StepFunctions):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.iterated = self.train_execution
-        self.direct = self.backend.compile(self._direct_execution)
+        # One process's backends only (`_direct`): traced again for a new batch size at most once, as Keras'
+        # train_function (reduce_retracing: the second size traces for any).
+        self.direct = tf.function(self._direct_execution, reduce_retracing=True)
         self.train_execution = self._execute
 
     def _execute(self, iterator: Any, num_steps: Any, stop: Any) -> Any:
