@@ -79,7 +79,7 @@ def test_a_chief_failing_in_its_last_callback_ends_the_others_wait_at_the_end_of
         output[-4000:]
 
 
-def test_a_failed_barrier_names_the_task_that_failed_and_its_error():
+def test_a_failed_barrier_names_the_task_that_failed_and_its_error(monkeypatch):
     """What TensorFlow's coordination service says when a peer reported its error (TF 2.21's text)."""
     error = RuntimeError(
         "Barrier failed because: task is set to ERROR: UNKNOWN: tfdist task worker:1 failed: ValueError: bad shard "
@@ -89,6 +89,10 @@ def test_a_failed_barrier_names_the_task_that_failed_and_its_error():
     lost = RuntimeError("Barrier failed because: task /job:worker/replica:0/task:1 heartbeat timeout.\nmore")
     assert barriers.peer_error(lost) == "Barrier failed because: task /job:worker/replica:0/task:1 heartbeat " \
                                         "timeout. more"
+    # A task that took the job's error before it reached the barrier: the error is in the service's task states.
+    monkeypatch.setattr(barriers, "_task_errors", lambda cluster: ["tfdist task worker:0 failed: OSError: disk full"])
+    taken = RuntimeError("Agent must be in CONNECTED state. It is currently in ERROR.")
+    assert barriers.peer_error(taken, cluster=cluster.LOCAL) == "worker:0 failed: OSError: disk full"
 
 
 def test_the_failure_line_is_read_back_only_as_a_task_prints_it():

@@ -199,7 +199,8 @@ def test_apply_on_variables_from_outside_the_scope_is_refused(data):
         model.compile(optimizer=keras.optimizers.SGD(0.1))
     with pytest.raises(tfdist.UserError, match=r"calls SGD.apply on variable .*kernel, which was not created under "
                                                r"the strategy's scope.* of the strategy the model was built under "
-                                               r"\(the program's own tf.distribute strategy, or tfdist.make_strategy's"):
+                                               r"\(the program's own tf.distribute strategy, or "
+                                               r"tfdist.make_strategy's"):
         tfdist.fit(model, batches(x, y), strategy=strategy, verbose=0)
 
 

@@ -28,8 +28,8 @@ def build(metrics=("accuracy",)):
     keras.utils.set_random_seed(6)
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
     model.compile(optimizer=keras.optimizers.SGD(0.2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=list(metrics), weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="wacc")]
-                  if metrics else None)
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=list(metrics),
+                  weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="wacc")] if metrics else None)
     return model
 
 

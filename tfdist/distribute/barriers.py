@@ -132,13 +132,27 @@ def tell_the_others(error: str) -> bool:
     return bool(taken)
 
 
-def peer_error(error: BaseException) -> str:
-    """What a failed barrier says, in one paragraph: the failed task's own error where it reported one."""
+def peer_error(error: BaseException, cluster: Any = None) -> str:
+    """What a failed barrier says, in one paragraph: the failed task's own error where it reported one, in the
+    barrier's error or, where this task had already taken the job's error ("Agent must be in CONNECTED state"),
+    in the `cluster`'s task states."""
     text = one_paragraph(str(error))
-    reported = _REPORTED.search(text)
-    if reported:
-        return f"{reported.group(1)} failed: {reported.group(2)}"
+    for said in [text, *(_task_errors(cluster) if cluster is not None else [])]:
+        reported = _REPORTED.search(said)
+        if reported:
+            return f"{reported.group(1)} failed: {reported.group(2)}"
     return text[:1000] or type(error).__name__
+
+
+def _task_errors(cluster: Any) -> list[str]:
+    """The errors TensorFlow's coordination service holds for the training tasks of `cluster` (a ClusterInfo)."""
+    from tensorflow.python.eager import context
+
+    jobs = [(job, len(cluster.cluster[job])) for job in ("chief", "worker") if cluster.cluster.get(job)]
+    try:
+        return [one_paragraph(str(state)) for state in context.context().get_task_states(jobs) if state is not None]
+    except Exception:  # The service is gone: the barrier's own error is all there is.
+        return []
 
 
 def _timed_out(error: BaseException) -> bool:
@@ -169,7 +183,7 @@ def wait_for_peers(backend: Any) -> None:
                             "callbacks write may not be there yet.", backend.task_label, FIT_END_WAIT_S)
             return
         raise PeerFailed(f"[{backend.task_label}] another task of the job failed before the end of fit: "
-                         f"{peer_error(error)}") from None
+                         f"{peer_error(error, backend.cluster)}") from None
 
 
 def leave_last(backend: Any) -> None:
@@ -195,10 +209,10 @@ def leave_last(backend: Any) -> None:
         return
     _LEAVING_LAST.append(backend.task_label)
     report_failures(backend)
-    atexit.register(_leave, backend.task_label, *found)
+    atexit.register(_leave, backend.task_label, *found, backend.cluster)
 
 
-def _leave(label: str, leader: bool, others: list[str]) -> None:
+def _leave(label: str, leader: bool, others: list[str], cluster: Any) -> None:
     from absl import logging
     from tensorflow.python.eager import context
 
@@ -208,7 +222,7 @@ def _leave(label: str, leader: bool, others: list[str]) -> None:
     try:
         context.context().wait_at_barrier(EXIT_BARRIER, int(PEER_EXIT_WAIT_S * 1000))
     except Exception as error:  # A task that failed or already left: nothing to wait for.
-        logging.warning("[%s] exiting without waiting for the other tasks: %s", label, peer_error(error))
+        logging.warning("[%s] exiting without waiting for the other tasks: %s", label, peer_error(error, cluster))
     if leader:
         left = wait_until_closed(others, LEADER_EXIT_WAIT_S)
         if left:
