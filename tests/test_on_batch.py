@@ -156,3 +156,41 @@ def test_repeated_calls_trace_once_until_the_model_is_compiled_again(name):
     gc.collect()
     assert gone() is None
 
+
+
+def ema_model(frequency):
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9,
+                                                 ema_overwrite_frequency=frequency),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("frequency", [None, 3])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_an_ema_optimizer_is_not_finalized_after_each_call(name, frequency):
+    """With ``use_ema`` Keras' fit overwrites the weights by their moving averages at its end
+    (``finalize_variable_values``); Keras' train_on_batch does not, nor its test_on_batch or predict_on_batch:
+    after each call the weights, the logs, the EMA slots and ``optimizer.iterations`` stay Keras' (every 3rd step
+    overwritten in the step itself with ``ema_overwrite_frequency=3``), and evaluating or predicting the batch
+    after it gives Keras' results and leaves the weights as they were."""
+    kind, options = STRATEGIES[name]
+    strategy = tfdist.make_strategy(kind, precision="float32", **options)
+    with strategy.scope():
+        model = ema_model(frequency)
+    reference = ema_model(frequency)
+    for i, (x, y, _) in enumerate(batches()):
+        got, expected = tfdist.train_on_batch(model, x, y), reference.train_on_batch(x, y)
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"call {i}")
+        for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"weights after call {i}")
+        ema, ema_reference = model.optimizer._model_variables_moving_average, \
+            reference.optimizer._model_variables_moving_average
+        for a, b in zip(ema, ema_reference, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"EMA after call {i}")
+        assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == i + 1
+        np.testing.assert_allclose(tfdist.test_on_batch(model, x, y), reference.test_on_batch(x, y), atol=1e-5)
+        np.testing.assert_allclose(tfdist.predict_on_batch(model, x), reference.predict_on_batch(x), atol=1e-5)
+        for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"weights after evaluating batch {i}")
