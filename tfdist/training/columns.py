@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework.none_tensor import NoneTensorSpec  # tf.NoneTensorSpec only from TF 2.19.
 
 COMPOSITE = (tf.SparseTensor, tf.RaggedTensor)
 
@@ -37,7 +38,7 @@ def leaf(value: Any) -> Any:
 def present(structure: Any) -> list:
     """The leaves of a structure (or of a dataset's element spec) that hold data: not the None of an optional
     input given none (``keras.Input(optional=True)``; tf.data's `NoneTensorSpec`), of absent targets or weights."""
-    return [leaf for leaf in tf.nest.flatten(structure) if leaf is not None and not isinstance(leaf, tf.NoneTensorSpec)]
+    return [leaf for leaf in tf.nest.flatten(structure) if leaf is not None and not isinstance(leaf, NoneTensorSpec)]
 
 
 def first(structure: Any) -> Any:
@@ -78,7 +79,7 @@ def common_spec(leaves: Sequence[Any]) -> Any:
     """The tf.data spec of one input's batches: each dimension they agree on kept, the others None (as Keras'
     `data_adapter_utils.get_keras_tensor_spec` merges them); `tf.NoneTensorSpec` for an optional input's None."""
     if leaves[0] is None:
-        return tf.NoneTensorSpec()
+        return NoneTensorSpec()
     if is_composite(leaves[0]):
         return spec(leaves[0])
     dims = [d[0] if len(set(d)) == 1 else None for d in zip(*(np.shape(leaf) for leaf in leaves))]

@@ -66,6 +66,7 @@ class LoopOptions:
     initial_epoch: int = 0
     validation_freq: Any = 1
     stop_on_nonfinite: bool = False  # A non-finite step raises (`NonFiniteGuard`); else training goes on, as Keras'.
+    finalize: bool = True  # Keras' fit's end: ``finalize_variable_values`` (EMA weights); not in train_on_batch.
 
 
 @dataclasses.dataclass
@@ -155,7 +156,8 @@ class Controller:
                 self._after_segment(run, stop)
             if run.step == start_step and self.validation is not None:
                 run.val_logs = self.evaluate()  # Resumed a finished run: evaluate what was restored.
-        finalize_optimizer(self.model, self.backend, self.steps.zero)
+        if self.options.finalize:
+            finalize_optimizer(self.model, self.backend, self.steps.zero)
         self.callbacks.on_train_end({**run.train_logs, **run.val_logs})
         self.summaries.flush()
         return LoopResult(

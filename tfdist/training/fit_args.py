@@ -209,7 +209,7 @@ def _standardize(batch: Any) -> tuple:
 
 def _spec(batch: tuple, batch_dim: Optional[int]) -> Any:
     """The batch's tf.data spec (None, an optional input given none: `tf.NoneTensorSpec`)."""
-    return tf.nest.map_structure(lambda a: tf.NoneTensorSpec() if a is None else columns.spec(a, batch_dim), batch)
+    return tf.nest.map_structure(lambda a: columns.NoneTensorSpec() if a is None else columns.spec(a, batch_dim), batch)
 
 
 def _batch_size(batch: tuple) -> int:

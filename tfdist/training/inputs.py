@@ -101,7 +101,7 @@ def absent_marked_dataset(dataset: tf.data.Dataset) -> tf.data.Dataset:
     as it is. Never unbatched after: tf.data's ``unbatch()`` crashes on a zero-size tensor."""
     spec = dataset.element_spec
     x_spec = spec[0] if isinstance(spec, tuple) else spec
-    if not any(isinstance(leaf, tf.NoneTensorSpec) for leaf in tf.nest.flatten(x_spec)):
+    if not any(isinstance(leaf, columns.NoneTensorSpec) for leaf in tf.nest.flatten(x_spec)):
         return dataset
 
     def mark(x: Any) -> Any:

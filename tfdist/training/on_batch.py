@@ -19,7 +19,8 @@ its iterator cost far more than a small model's step. Multi-worker jobs (every w
 read it through `tfdist.fit`'s pipeline.
 
 `tfdist.fit` leaves ``model.history`` and ``model.stop_training`` as a fit does; Keras' `train_on_batch` touches
-neither, so both are put back. Parameter servers are refused: one step at a time leaves every worker but one
+neither, so both are put back. Nor does it end with fit's ``finalize_variable_values``: with ``use_ema=True`` the
+model keeps its trained weights (the moving averages stay in the optimizer), as after Keras' own call. Parameter servers are refused: one step at a time leaves every worker but one
 idle, and the step is applied asynchronously, after the call could return its logs.
 """
 
@@ -91,6 +92,8 @@ def _one_step(model: keras.Model, x: Any, y: Any, **arguments: Any) -> LoopResul
     # No run directory: nothing is saved (fit's checkpoint, which would hold the model, is never read).
     checkpoints = Checkpoints(tf.train.Checkpoint(), kept.step_counter, None, backend, call.keep_checkpoints)
     controller = fitting._controller(call, backend, plan, source, kept.functions, checkpoints, None, validation)
+    # Keras' train_on_batch ends no fit: the optimizer's EMA weights (use_ema) are not written into the model.
+    controller.options = dataclasses.replace(controller.options, finalize=False)
     if _direct(backend, source, plan):  # The batch placed on the replicas as it is: no input pipeline to build.
         batch = _Batch(backend.strategy.experimental_distribute_values_from_function(_replica_batches(source, plan)))
         controller.train_iterator_fn = lambda first: batch

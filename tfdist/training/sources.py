@@ -111,7 +111,7 @@ class Source:
         if self.arrays is not None:
             return inputs.map_present(lambda a: columns.head(a, size), self.arrays.structure)
         element = tuple(self.spec) + (None,) * (3 - len(self.spec))
-        return inputs.map_present(lambda s: None if isinstance(s, tf.NoneTensorSpec) else
+        return inputs.map_present(lambda s: None if isinstance(s, columns.NoneTensorSpec) else
                                   keras.KerasTensor((size, *s.shape[1:]), s.dtype.name), element)
 
     def check_batches(self, plan: LoopPlan) -> None:
@@ -185,7 +185,7 @@ def _check_rank(model: keras.Model, spec: Any, what: str) -> None:
     wanted, given = model_inputs(model), given_for_inputs(model, spec)
     if wanted is None or given is None:
         return
-    pairs = [(leaf, tuple(t.shape)) for leaf, t in zip(given, wanted) if not isinstance(leaf, tf.NoneTensorSpec)]
+    pairs = [(leaf, tuple(t.shape)) for leaf, t in zip(given, wanted) if not isinstance(leaf, columns.NoneTensorSpec)]
     ranks = [(leaf.shape.rank, shape, leaf.shape[-1] if leaf.shape.rank else None) for leaf, shape in pairs]
     if ranks and all(r is not None and r == len(shape) - 1 for r, shape, _ in ranks) and \
             not all(keras_takes_rank(*entry) for entry in ranks):
