@@ -14,10 +14,11 @@ Sessions:
                         else runs once, in tests-tf2.21.
   keras-conformance     not in the default sessions: Keras' own test files through tfdist in full
                         (tests/test_keras_conformance.py with KERAS_CONFORMANCE_CAP=all). CI's
-                        tests-tf2.21 runs the trainer/callback files whole and each broad file
-                        (models, layers, optimizers, metrics, saving, ...) only up to its first
-                        few tests that call fit/evaluate/predict; this session runs the rest too
-                        (about AN hour on 2 cores) and checks the README's count.
+                        tests-tf2.21 runs the trainer/callback files whole and each of the 127
+                        broad files (models, layers, optimizers, metrics, saving, ...) up to its
+                        first test that calls fit/evaluate/predict (every file covered); this
+                        session runs every test (about an hour per mode on 2 busy cores; the
+                        two modes run side by side) and checks the README's count.
 
 CI's budget: `bash .ci/run` (both sessions, Horovod's build included) within 45 minutes on a
 2-core machine (its hard limit is 90); measured 2026-12-04 from a clean clone: see the README.

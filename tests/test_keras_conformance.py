@@ -48,7 +48,7 @@ KNOWN_FAILURES = os.path.join(REPO, "tests", "keras_conformance", "known_failure
 # CI caps each broad file at CAP tests that call fit/evaluate/predict (plugin.py); KERAS_CONFORMANCE_CAP=all (the
 # nox session keras-conformance) runs every test, and only that full run checks the README's count.
 CAP_ENV = "KERAS_CONFORMANCE_CAP"
-DEFAULT_CAP = 2
+DEFAULT_CAP = 1
 RUN_TIMEOUT_S = {True: 900, False: 7200}  # Each mode, capped (CI) or full.
 
 

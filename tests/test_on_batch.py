@@ -157,7 +157,6 @@ def test_repeated_calls_trace_once_until_the_model_is_compiled_again(name):
     assert gone() is None
 
 
-
 def ema_model(frequency):
     keras.utils.set_random_seed(6)
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])

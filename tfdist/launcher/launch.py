@@ -284,8 +284,8 @@ class Launcher(ChiefLedWaiting):
         seconds. Otherwise, earliest first: one killed by a signal, then one whose SSH connection dropped (status
         255), then the first that failed.
         """
-        if first_told(self.tasks) is not None:
-            return first_told(self.tasks)
+        if (told := first_told(self.tasks)) is not None:
+            return told
         own = sorted((t for t in self.tasks if t.ended is not None and t.process.returncode != 0),
                      key=lambda t: t.ended)
         if not own:

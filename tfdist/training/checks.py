@@ -152,6 +152,28 @@ def check_model(model: keras.Model) -> None:
                         "the strategy's scope before tfdist.fit.")
 
 
+def check_ema_overwrite(model: keras.Model, backend: Backend) -> None:
+    """Refuses `ema_overwrite_frequency` under several tf.distribute replicas, before any step.
+
+    Keras' optimizer overwrites the weights with their averages inside a `tf.cond` that holds a `merge_call`,
+    which TensorFlow refuses in a replica context: Keras' own `fit` under the same strategy fails mid-trace.
+    """
+    from tfdist.training.keras_hooks import wrapped_optimizers
+
+    strategy = getattr(backend, "strategy", None)
+    if strategy is None or int(strategy.num_replicas_in_sync) < 2:
+        return
+    for opt in wrapped_optimizers(model.optimizer):
+        if getattr(opt, "use_ema", False) and getattr(opt, "ema_overwrite_frequency", None):
+            raise UserError(
+                f"{type(opt).__name__}(use_ema=True, ema_overwrite_frequency={opt.ema_overwrite_frequency}) cannot "
+                f"run on {strategy.num_replicas_in_sync} replicas of a tf.distribute strategy: Keras overwrites the "
+                "weights with their averages inside a tf.cond that holds a merge_call, which TensorFlow refuses "
+                "in a replica context (Keras' own fit fails the same way). Leave ema_overwrite_frequency=None "
+                "(fit ends on the averages, as Keras' does), add keras.callbacks.SwapEMAWeights, or train under "
+                "Horovod.")
+
+
 def check_custom_steps(model: keras.Model, backend: Backend, *, grad_accum_steps: int) -> None:
     """Refuses, before any step, what a custom ``train_step``/``test_step`` cannot be given on this backend."""
     custom = [name for name in ("train_step", "test_step") if custom_steps.overrides(model, name)]

@@ -110,6 +110,7 @@ def _bound(model: keras.Model, x: Any, y: Any, arguments: dict) -> dict:
 def _check_call(call: Any, backend: Backend) -> None:
     """The arguments' own refusals (and Keras' global epoch cap), before the inputs are read."""
     checks.check_model(call.model)
+    checks.check_ema_overwrite(call.model, backend)
     checks.check_custom_steps(call.model, backend, grad_accum_steps=call.grad_accum_steps)
     checks.check_zero(call.model, backend, call.zero_stage, call.callbacks, call.grad_accum_steps)
     if call.epochs < 1:

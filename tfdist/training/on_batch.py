@@ -20,8 +20,9 @@ read it through `tfdist.fit`'s pipeline.
 
 `tfdist.fit` leaves ``model.history`` and ``model.stop_training`` as a fit does; Keras' `train_on_batch` touches
 neither, so both are put back. Nor does it end with fit's ``finalize_variable_values``: with ``use_ema=True`` the
-model keeps its trained weights (the moving averages stay in the optimizer), as after Keras' own call. Parameter servers are refused: one step at a time leaves every worker but one
-idle, and the step is applied asynchronously, after the call could return its logs.
+model keeps its trained weights (the moving averages stay in the optimizer), as after Keras' own call. Parameter
+servers are refused: one step at a time leaves every worker but one idle, and the step is applied asynchronously,
+after the call could return its logs.
 """
 
 from __future__ import annotations

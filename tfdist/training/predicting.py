@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.distribute.backend import Backend
-from tfdist.errors import UserError
+from tfdist.errors import UserError, error_text
 from tfdist.training import checks, columns, custom_steps, evaluating, inputs, preparing
 from tfdist.training.callbacks import PREDICT_BATCH_HOOKS
 from tfdist.training.held_out import held_out, rows
@@ -170,7 +170,7 @@ def _predictor(model: keras.Model, backend: Backend) -> _Predictor:
 
 
 def _cannot_take(e: Exception) -> UserError:
-    return UserError(f"predict: the model cannot take x ({' '.join(str(e).split())[:300]}). Pass x structured as "
+    return UserError(f"predict: the model cannot take x ({error_text(e)}). Pass x structured as "
                      "the model's inputs (one array, a list, or a dict keyed by input name), one row per example.")
 
 
