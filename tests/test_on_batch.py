@@ -194,3 +194,31 @@ def test_an_ema_optimizer_is_not_finalized_after_each_call(name, frequency):
         np.testing.assert_allclose(tfdist.predict_on_batch(model, x), reference.predict_on_batch(x), atol=1e-5)
         for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"weights after evaluating batch {i}")
+
+
+def test_a_non_finite_loss_is_warned_of_once_a_model_not_once_a_call():
+    """Keras' train_on_batch goes on after a NaN loss; tfdist's does too, and says so once for the model (a GAN's
+    loop of thousands of calls used to log it at every call, with a run-directory warning that has no run
+    directory to speak of)."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Keep()
+    absl_logging.get_absl_logger().addHandler(handler)
+    try:
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = np.array([[np.nan, 1.0]] * 4, "float32"), np.zeros((4, 1), "float32")
+        for _ in range(3):
+            assert np.isnan(tfdist.train_on_batch(model, x, y))
+    finally:
+        absl_logging.get_absl_logger().removeHandler(handler)
+    warnings = [s for s in said if "non-finite" in s]
+    assert len(warnings) == 1 and "Training goes on, as Keras' fit does" in warnings[0], warnings

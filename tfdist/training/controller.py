@@ -295,7 +295,7 @@ class Controller:
                             "finite, so no checkpoint or export was written for these steps.", run.step)
             run.diverged = True
         elif self.guard.seen:  # Training went on after a non-finite step (as Keras'): the last good checkpoint stays.
-            if not run.diverged:
+            if not run.diverged and self.checkpoints.rundir is not None:  # Nothing to write without a run dir.
                 logging.warning("The weights are not finite since a non-finite step before step %d: tfdist writes "
                                 "no further checkpoint and no export in this run.", run.step)
             run.diverged = True

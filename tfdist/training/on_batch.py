@@ -98,7 +98,11 @@ def _one_step(model: keras.Model, x: Any, y: Any, **arguments: Any) -> LoopResul
     if _direct(backend, source, plan):  # The batch placed on the replicas as it is: no input pipeline to build.
         batch = _Batch(backend.strategy.experimental_distribute_values_from_function(_replica_batches(source, plan)))
         controller.train_iterator_fn = lambda first: batch
-    return controller.run(0)
+    controller.guard.warned = model in _WARNED_NONFINITE  # Warned once a model, not once a call.
+    result = controller.run(0)
+    if controller.guard.warned:
+        _WARNED_NONFINITE.add(model)
+    return result
 
 
 # The batch without an input pipeline ---------------------------------------------------------------------
@@ -191,6 +195,7 @@ class _Compiled:
 
 
 _KEPT: "weakref.WeakKeyDictionary[keras.Model, _Compiled]" = weakref.WeakKeyDictionary()
+_WARNED_NONFINITE: "weakref.WeakSet[keras.Model]" = weakref.WeakSet()  # Models warned of a non-finite loss.
 
 
 def traces(model: keras.Model) -> int:
