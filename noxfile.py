@@ -14,7 +14,7 @@ Sessions:
                         else runs once, in tests-tf2.21.
   keras-conformance     not in the default sessions: Keras' own test files through tfdist in full
                         (tests/test_keras_conformance.py with KERAS_CONFORMANCE_CAP=all). CI's
-                        tests-tf2.21 runs the trainer/callback files whole and each of the 127
+                        tests-tf2.21 runs the trainer/callback files whole and each of the 113
                         broad files (models, layers, optimizers, metrics, saving, ...) up to its
                         first test that calls fit/evaluate/predict (every file covered); this
                         session runs every test (about an hour per mode on 2 busy cores; the
