@@ -179,13 +179,18 @@ def _output_spec(model: keras.Model, arrays: inputs.Arrays, batch: int) -> Any:
         lambda a: keras.KerasTensor((batch, *a.shape[1:]), a.dtype.name, sparse=isinstance(a, tf.SparseTensor),
                                     ragged=isinstance(a, tf.RaggedTensor)), arrays.x)
     example = inputs.absent_as_none(example)
+    # A symbolic call, as predict calls the model: it converts the inputs to the model's input dtypes (an int64
+    # batch into a float32 Input gives float32 outputs, where `model.compute_output_spec` says int64), and takes an
+    # optional input's None (Keras' own compute_output_spec compares every input's shape).
     try:
-        if any(leaf is None for leaf in tf.nest.flatten(example)):  # An optional input given none: Keras' own
-            # compute_output_spec compares every input's shape; a symbolic call takes the None, as predict does.
-            return keras.src.backend.compute_output_spec(lambda x: model(x, training=False), example)
-        return model.compute_output_spec(example)
+        return keras.src.backend.compute_output_spec(lambda x: model(x, training=False), example)
     except Exception as e:  # The model's own call on these inputs: one paragraph naming the fix.
-        raise _cannot_take(e) from None
+        if any(leaf is None for leaf in tf.nest.flatten(example)):
+            raise _cannot_take(e) from None
+        try:
+            return model.compute_output_spec(example)
+        except Exception:
+            raise _cannot_take(e) from None
 
 
 def _build_for_predict(model: keras.Model, backend: Backend, arrays: inputs.Arrays) -> None:
