@@ -1,7 +1,8 @@
 """Keras models with their own train_step/test_step, written as keras.io writes them.
 
 Shared by tests/test_custom_steps.py (in-process) and tests/programs/custom_steps.py
-(2 MultiWorkerMirrored workers, 2 Horovod ranks).
+(2 MultiWorkerMirrored workers, 2 Horovod ranks), which also calls tfdist.train_on_batch on a compiled
+classifier (`on_batch_model`), as a GAN or custom-loop program calls it once a step.
 """
 
 import keras
@@ -143,3 +144,33 @@ def regression(n=256, seed=0):
 
 def images(n=256, seed=1):
     return np.random.default_rng(seed).normal(size=(n, 16)).astype("float32")
+
+
+# tfdist.train_on_batch, called once a step as a GAN or custom-loop program calls it --------------------------
+ON_BATCH_ROWS = (7, 10)  # 7 rows: 4 and 3 a task on 2 tasks.
+
+
+def on_batch_model():
+    """A compiled classifier (SGD, a metric and a weighted metric) for the programs' train_on_batch calls."""
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((5,)), layers.Dense(8, activation="tanh"), layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="wacc")])
+    return model
+
+
+def on_batch_batches(seed=2):
+    """The global batches (x, y, sample_weight) of the train_on_batch calls, one for each of ON_BATCH_ROWS."""
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(rows, 5)).astype("float32"), rng.integers(0, 3, rows).astype("int32"),
+             rng.uniform(0.2, 2.0, rows).astype("float32")) for rows in ON_BATCH_ROWS]
+
+
+def train_on_batch_calls(train_on_batch, model):
+    """The calls: the first plain, as a dict; the second with sample_weight, as a list. Returns
+    (the dict's keys sorted, their values, the list)."""
+    (xa, ya, _), (xb, yb, wb) = on_batch_batches()
+    first = train_on_batch(model, xa, ya, return_dict=True)
+    second = train_on_batch(model, xb, yb, sample_weight=wb)
+    return sorted(first), [first[k] for k in sorted(first)], list(second)

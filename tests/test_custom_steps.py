@@ -138,6 +138,25 @@ def assert_trained_as_keras(out, data):
     gan_keys = sorted(k for k in tasks[0] if k.startswith("g") and k[1:].isdigit())
     for key in gan_keys:
         np.testing.assert_array_equal(tasks[0][key], tasks[1][key])
+    assert_train_on_batch_as_keras(tasks)
+
+
+def assert_train_on_batch_as_keras(tasks):
+    """tfdist.train_on_batch on 2 tasks (a global batch of 7 rows, then 10 with sample_weight): both tasks end
+    with Keras' own train_on_batch weights on one device, from the same initial weights, and got its logs."""
+    count = len([k for k in tasks[0] if k.startswith("oi")])
+    reference = custom_models.on_batch_model()
+    reference.set_weights([tasks[0][f"oi{i}"] for i in range(count)])
+    names, first, second = custom_models.train_on_batch_calls(
+        lambda model, *args, **kwargs: model.train_on_batch(*args, **kwargs), reference)
+    assert names == ["accuracy", "loss", "wacc"] and len(second) == 3
+    for task in tasks:
+        assert task["on_batch_names"].tolist() == names
+        np.testing.assert_allclose(task["on_batch_first"], first, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(task["on_batch_second"], second, atol=1e-5, rtol=0)
+        assert_close([task[f"o{i}"] for i in range(count)], reference.get_weights())
+    for i in range(count):  # The tasks' own copies agree exactly.
+        np.testing.assert_array_equal(tasks[0][f"o{i}"], tasks[1][f"o{i}"])
 
 
 # Bad input: one paragraph, before any step ---------------------------------------------------

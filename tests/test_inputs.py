@@ -162,6 +162,36 @@ def test_an_optional_input_given_none_trains_evaluates_and_predicts_as_keras(str
                       validation_data=(x, Y))
 
 
+def one_input_model():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4,), name="x")
+    model = keras.Model(x, keras.layers.Dense(1)(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("structure", ["one", "list", "dict"])
+def test_a_required_input_given_none_is_refused_before_any_step_with_keras_reason(structure):
+    """None for an Input that is not optional: Keras' own fit raises "The input 'x' is not optional, but None was
+    passed..." (Keras' functional_test.py test_required_none_raises_in_fit); tfdist refuses it before any step with
+    that sentence, naming the input, as a tfdist.UserError (a ValueError). Today: 'x holds no array (None alone)'
+    for [None], and a failure inside the step's trace for [None, A] / {"x": None, "o": A}."""
+    make = one_input_model if structure == "one" else lambda: optional_model(structure)
+    x = {"one": [None], "list": [None, A], "dict": {"x": None, "o": A}}[structure]
+    with pytest.raises(ValueError, match="not optional") as keras_error:
+        make().fit(x, Y, epochs=1, verbose=0)
+    with two_replicas().scope():
+        model = make()
+    before = model.get_weights()
+    with pytest.raises(tfdist.UserError) as error:
+        tfdist.fit(model, x, Y, epochs=1, verbose=0)
+    assert isinstance(error.value, ValueError)
+    assert str(keras_error.value) in str(error.value), (str(error.value), str(keras_error.value))
+    assert int(model.optimizer.iterations) == 0
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_an_optional_input_given_none_by_a_generator_and_a_dataset_is_taken_as_keras():
     """Keras' own test_functional_optional_inputs_generator form: {"x": x, "o": None} batches from a generator;
     and a tf.data.Dataset holding the None (a `NoneTensorSpec`), cut into global batches. Today: a generator's

@@ -3,8 +3,10 @@
 Against Keras' own train_on_batch on one device, from the same weights and batches (SGD, float32, 1e-5): the
 weights, the returned loss / list / dict, the metrics' state after each call, on one device and on 2 CPU
 replicas (a batch of 7 rows the replicas do not divide). The 2-worker MultiWorkerMirrored case runs in
-tests/test_adopting.py (tests/programs/user_strategy.py). Repeated calls trace the step once, as Keras' own
-(its ``train_function`` kept until the model is compiled again), and the kept steps let the model go.
+tests/test_adopting.py (tests/programs/user_strategy.py); the 2-rank Horovod (and MultiWorkerMirrored) case in
+tests/test_custom_steps.py's jobs (tests/programs/custom_steps.py, `assert_train_on_batch_as_keras`). Repeated
+calls trace the step once, as Keras' own (its ``train_function`` kept until the model is compiled again), and
+the kept steps let the model go.
 """
 
 import gc

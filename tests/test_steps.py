@@ -163,6 +163,35 @@ def test_a_sum_loss_with_accumulation_trains_as_on_one_device(replicas):
     assert_same_training(expected, got, build().get_weights())
 
 
+class FirstRowScaled(keras.layers.Layer):
+    """Reads the batch's first row, as Equalization does: a batch of no example fails (strided_slice)."""
+
+    def call(self, x):
+        return x - 0.5 * x[0]
+
+
+def test_a_replica_with_no_example_runs_layers_that_need_a_row_and_trains_as_on_one_device():
+    # Batches of one example on 2 replicas: the second replica's part is empty at every step.
+    x, y = regression_data(n=6)
+
+    def build():
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(1))(
+            FirstRowScaled()(inputs))
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    tfdist.make_strategy("default", precision="float32")
+    model = build()
+    want = model.fit(x, y, batch_size=1, shuffle=False, verbose=0).history, model.get_weights()
+    strategy = tfdist.make_strategy("mirrored", precision="float32", num_cpu_replicas=2, **MIRRORED)
+    with strategy.scope():
+        model = build()
+    got = tfdist.fit(model, x, y, batch_size=1, shuffle=False, verbose=0).history, model.get_weights()
+    assert_same_training(want[::-1], got[::-1], build().get_weights())
+
+
 def test_losses_no_scaling_can_make_exact_are_refused_when_the_batch_is_split():
     x, y = regression_data()
     strategy = tfdist.make_strategy("default", precision="float32")

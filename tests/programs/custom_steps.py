@@ -2,7 +2,9 @@
 
 Usage: custom_steps.py STRATEGY OUT_DIR. Trains tests/custom_models.py's CustomFit (its own loss,
 SGD) and the GAN (two optimizers) with tfdist.fit on datasets of global batches, from initial
-weights it also saves, and writes OUT_DIR/task<I>.npz: initial and final weights and the History.
+weights it also saves; then (synchronous strategies) calls tfdist.train_on_batch twice on
+custom_models.on_batch_model (7 rows, then 10 with sample_weight). Writes OUT_DIR/task<I>.npz: initial and
+final weights, the History, and the train_on_batch model's initial and final weights and returned logs.
 """
 
 import json
@@ -36,6 +38,14 @@ def main() -> None:
     history = tfdist.fit(model, *train, epochs=2, validation_data=(x[:100], y[:100]), verbose=0,
                          steps_per_execution=3, **options)
     gan_history = tfdist.fit(gan, *images, epochs=1, verbose=0, **options)
+    on_batch = {}
+    if strategy_name != "parameter_server":  # Refused there (tests/test_adopting.py).
+        with strategy.scope():
+            classifier = custom_models.on_batch_model()
+        on_batch = {f"oi{i}": w for i, w in enumerate(classifier.get_weights())}
+        names, first, second = custom_models.train_on_batch_calls(tfdist.train_on_batch, classifier)
+        on_batch.update({f"o{i}": w for i, w in enumerate(classifier.get_weights())}, on_batch_names=names,
+                        on_batch_first=np.asarray(first), on_batch_second=np.asarray(second))
     task = os.environ.get("HOROVOD_RANK") or json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get(
         "index", 0)
     os.makedirs(out, exist_ok=True)
@@ -43,7 +53,7 @@ def main() -> None:
              gan_history=json.dumps(gan_history.history),
              gan_steps=np.array([int(gan.d_optimizer.iterations.numpy()), int(gan.g_optimizer.iterations.numpy())]),
              **{f"i{i}": w for i, w in enumerate(initial)}, **{f"w{i}": w for i, w in enumerate(model.get_weights())},
-             **{f"g{i}": w for i, w in enumerate(gan.get_weights())})
+             **{f"g{i}": w for i, w in enumerate(gan.get_weights())}, **on_batch)
     print("done", task, flush=True)
 
 

@@ -62,6 +62,8 @@ def arrays_from(model: keras.Model, x: Any, y: Any, sample_weight: Any, what: st
     if y is None and sample_weight is not None:
         raise UserError(f"{what} has sample weights but no targets; the weights weigh a compiled loss against y. Pass "
                         "y, or fold the weights into the loss your model adds (add_loss).")
+    if x is not None:
+        check_required_given(model, x, what)
     if columns.first(x) is None:
         raise UserError(f"{what}: x holds no array (None alone); pass the model's inputs, one row per example.")
     check_dict_keys(model, x, what)
@@ -144,6 +146,25 @@ class Source:
                                             start_step=first if backend.sharded_input else 0,
                                             partial_last=plan.partial_last, whole_batches=not self.partial)
         return inputs.resumed_fn(self.function, start_step=first, sharded=backend.sharded_input)
+
+
+def optional_input(tensor: Any) -> bool:
+    """Whether a model input is a ``keras.Input(optional=True)``, which takes None."""
+    history = getattr(tensor, "_keras_history", None)
+    return bool(getattr(history[0], "optional", False)) if history else False
+
+
+def check_required_given(model: keras.Model, x: Any, what: str) -> None:
+    """Refuses None given for a `keras.Input` that is not optional, before any step, in the words of Keras' own
+    error (functional.py: "The input '...' is not optional, but None was passed")."""
+    given = given_for_inputs(model, x)
+    if given is None:
+        return
+    for array, tensor in zip(given, model_inputs(model)):
+        if array is None and not optional_input(tensor):
+            raise UserError(f"{what}: The input '{tensor.name}' is not optional, but None was passed. Please provide "
+                            "a valid tensor. (Only a keras.Input(optional=True) takes None: pass an array with one "
+                            "row per example for it, as Keras' own fit requires.)")
 
 
 def model_inputs(model: keras.Model) -> Optional[list]:

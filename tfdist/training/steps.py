@@ -31,6 +31,25 @@ def _batch_size(x: Any) -> tf.Tensor:
     return tf.shape(columns.first(x))[0]  # Not an optional input's None.
 
 
+def _stand_in_rows(empty: tf.Tensor, data: Any) -> Any:
+    """`data`, or one row of zeros per dense leaf where the part holds no example.
+
+    A part with no example (a batch the replicas do not divide) still runs the
+    forward pass, whose results are discarded (`where_present`, `write_state`'s
+    ``keep``); some layers cannot run on no row (Equalization takes its histogram's
+    first nonzero bin), so the part runs on a stand-in row instead.
+    Sparse and ragged leaves are left as they are.
+    """
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, tf.Tensor):
+            return t
+        zeros = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
+        return tf.cond(empty, lambda: zeros, lambda: t)
+
+    return tf.nest.map_structure(one, data)
+
+
 def _unpack(data: Any) -> tuple:
     """(x, y, sample_weight), x as the model takes it (an optional input given none: None, `inputs.absent_as_none`)."""
     if isinstance(data, (tuple, list)):
@@ -215,6 +234,8 @@ class StepFunctions:
                    if id(v) not in self._all_shards]
         before = {id(v): value for v, value in mapping}
         size = _batch_size(x)
+        if total is not None and not global_statistics(model):  # (A synchronized statistic would count the row.)
+            x, y, sample_weight = _stand_in_rows(tf.equal(size, 0), (x, y, sample_weight))
         # This part's fraction of the global batch (without `total` all parts hold as many examples).
         share = tf.cast(size, tf.float32) / (tf.cast(size * self.parts, tf.float32) if total is None else total)
         with tf.GradientTape() as tape:
