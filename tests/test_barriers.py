@@ -79,19 +79,6 @@ def test_a_chief_failing_in_its_last_callback_ends_the_others_wait_at_the_end_of
         output[-4000:]
 
 
-@pytest.mark.jobs
-def test_a_fit_error_the_script_catches_still_ends_the_others_wait():
-    """Worker 1's own callback raises in on_train_end and the script catches it and goes on: the chief, waiting at
-    the end of fit, ends at once with worker 1's error (it waited the barrier's hour when only uncaught errors were
-    told to the other tasks)."""
-    started = time.time()
-    code, output, ended = launch("caught", "1")
-    assert code == 0 and ended - started < 120, output[-4000:]  # Both scripts catch their fit's error.
-    assert re.search(r"^\[worker:1\] caught at [\d.]+: worker 1's callback broke$", output, re.M), output[-4000:]
-    assert re.search(r"^\[worker:0\] caught at [\d.]+: \[worker:0\] another task of the job failed before the end "
-                     r"of fit: worker:1 failed: RuntimeError: worker 1's callback broke$", output, re.M), output[-4000:]
-
-
 def test_a_failed_barrier_names_the_task_that_failed_and_its_error(monkeypatch):
     """What TensorFlow's coordination service says when a peer reported its error (TF 2.21's text)."""
     error = RuntimeError(

@@ -240,7 +240,8 @@ def test_bad_input_is_refused_before_training():
         r"length 4", model, X[:64], Y[:64], batch_size=32, validation_data=(X[:10],) * 4)
     dict_model = EXAMPLE.build_model()
     dict_model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    bad(r"keys of x/y \(image, pixels\) do not match the model's inputs \(image, rows\)", dict_model,
+    bad(r"keys of x/y \(image, pixels\) do not match the model's inputs: it was built with a dict of inputs keyed "
+        r"image, rows", dict_model,
         {"image": DIGITS.train_images[:8], "pixels": np.zeros((8, 28), "int32")}, DIGITS.train_labels[:8],
         batch_size=4)
 
@@ -317,7 +318,9 @@ def test_a_dataset_function_of_per_replica_batches():
     bad(r"returns batches of 64 examples, but batch_size=64 over 2 replica\(s\) means 32 per replica", other,
         lambda context: tf.data.Dataset.from_tensor_slices((X, Y)).batch(64, drop_remainder=True),
         batch_size=64, steps_per_epoch=4)
-    bad("yields single examples", other, lambda context: tf.data.Dataset.from_tensor_slices((X, Y)),
+    # Every dataset is batched, as Keras takes it: one of single examples reads as batches of their first dimension.
+    bad(r"returns batches of 28 examples, but batch_size=64 over 2 replica\(s\) means 32 per replica", other,
+        lambda context: tf.data.Dataset.from_tensor_slices((X, Y)),
         batch_size=64, steps_per_epoch=4)
     bad("pass batch_size= \\(the global batch\\) and steps_per_epoch=", other, dataset_fn)
 

@@ -9,9 +9,6 @@ to `tfdist.evaluate` (collectives that wait for the failed task). It prints when
 
 `python after_fit.py callback 0`: the chief's (chief-only) callback raises in on_train_end, while worker 1 waits
 for it at the end of fit.
-
-`python after_fit.py caught 1`: worker 1's own callback raises in on_train_end and the script catches the error
-(`except RuntimeError`) and goes on; the chief waits for it at the end of fit.
 """
 
 import hashlib
@@ -41,18 +38,6 @@ class BrokenCheckpoint(keras.callbacks.ModelCheckpoint):
         raise RuntimeError("the chief's callback broke")
 
 
-class BrokenOnWorker(keras.callbacks.Callback):
-    """A callback every worker runs, which fails at the end of training on the worker of TF_CONFIG index `index`."""
-
-    def __init__(self, index: int):
-        super().__init__()
-        self.index = index
-
-    def on_train_end(self, logs=None):
-        if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == self.index:
-            raise RuntimeError(f"worker {self.index}'s callback broke")
-
-
 def main() -> None:
     mode, arg = sys.argv[1], sys.argv[2]
     strategy = tfdist.make_strategy("multi_worker_mirrored", precision="float32")
@@ -70,13 +55,6 @@ def main() -> None:
     elif mode == "callback":
         callbacks = [BrokenCheckpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"unused-{os.getpid()}.keras"),
                                       save_freq=10**6)]
-    elif mode == "caught":
-        callbacks = [BrokenOnWorker(int(arg))]
-        try:
-            tfdist.fit(model, x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
-        except RuntimeError as error:
-            print(f"caught at {time.time():.3f}: {error}", flush=True)
-        return
     tfdist.fit(model, x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
     print(f"fit returned at {time.time():.3f}", flush=True)
     if mode == "load":

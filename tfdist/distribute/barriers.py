@@ -92,18 +92,6 @@ def report_failures(backend: Any) -> None:
     sys.excepthook = hook
 
 
-def tell_of_failure(backend: Any, error: BaseException) -> None:
-    """A fit that raised on this task, whether or not the program catches it: on a synchronous multi-worker job
-    the other tasks' collectives and barriers end with this error instead of waiting (at most an hour at the end of
-    fit). A peer's failure (`PeerFailed`) and a preemption (every task stops alike) are not told."""
-    if backend is None or backend.single_controller or backend.asynchronous or isinstance(error, PeerFailed) or \
-            type(error).__module__ == "tfdist.training.preemption" or coordination(backend) is None:
-        return
-    _STATE.setdefault("label", backend.task_label)
-    message = one_paragraph(str(error))[:1000]
-    tell_the_others(f"{type(error).__name__}: {message}" if message else type(error).__name__)
-
-
 def _exit(code: int) -> None:
     """Ends a failed task as Python would (exit handlers, streams, the status), without the interpreter's teardown
     of TensorFlow's server and coordination agent, which can stall once the job is in error (seen here past 3 s

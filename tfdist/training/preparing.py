@@ -9,7 +9,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfdist.distribute import adopting, barriers, strategies
+from tfdist.distribute import adopting, strategies
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError, error_text
 from tfdist.training import custom_steps, inputs
@@ -69,10 +69,6 @@ def releasing_the_runner(fit_fn: Any) -> Any:
             return history
         except Preempted:
             finished = True  # Every task stopped together and saved.
-            raise
-        except BaseException as error:  # Caught by the program or not: the other tasks must not wait for this one.
-            barriers.tell_of_failure(backend_used(kwargs.get("strategy"), kwargs.get("model", args[0] if args else
-                                                                                       None)), error)
             raise
         finally:
             backend = backend_used(kwargs.get("strategy"), kwargs.get("model", args[0] if args else None))
