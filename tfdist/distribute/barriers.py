@@ -87,12 +87,12 @@ def report_failures(backend: Any) -> None:
         tell_the_others(f"{kind.__name__}: {message}" if message else kind.__name__)
         if leader:  # The others learn of the error from this task's service: let them take it first.
             wait_until_closed(others, FAILED_LEADER_WAIT_S)
-        _exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+        exit_now(130 if issubclass(kind, KeyboardInterrupt) else 1)
 
     sys.excepthook = hook
 
 
-def _exit(code: int) -> None:
+def exit_now(code: int) -> None:
     """Ends a failed task as Python would (exit handlers, streams, the status), without the interpreter's teardown
     of TensorFlow's server and coordination agent, which can stall once the job is in error (seen here past 3 s
     under load)."""

@@ -340,17 +340,7 @@ def current_backend() -> Backend:
 
 def _exit_served_task() -> None:
     """Ends a task that only served: atexit handlers (logging's flush among them), streams, then os._exit(0)."""
-    import atexit
-    import os
-    import sys
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(0)
+    barriers.exit_now(0)
 
 
 def make_strategy(name: str = "auto", **options: object) -> object:
