@@ -1,5 +1,5 @@
-"""Sparse and ragged inputs (tfdist.training.columns) through fit, evaluate and predict, against Keras on one
-device: SGD/Adagrad, float32, 1e-5, on 2 replicas."""
+"""Sparse, ragged and text inputs (tfdist.training.columns) through fit, evaluate and predict, against Keras on one
+device: SGD/Adagrad, float32, 1e-5, on 2 replicas; a batch whose parts differ in rows refused before any step."""
 
 import keras
 import numpy as np
@@ -153,3 +153,153 @@ for number, steps_per_execution in enumerate((None, 3), 1):
     assert_same(model, reference)
     print("ok", number)
 """
+
+
+# Text inputs ------------------------------------------------------------------------------------------------------
+WORDS = ["a", "b", "c", "d"]
+
+
+def string_model():
+    """A StringLookup on a string input (as a FeatureSpace or keras.io's structured-data models feed it)."""
+    text = keras.Input((), dtype="string", name="text")
+    encoded = keras.layers.StringLookup(vocabulary=WORDS, output_mode="one_hot")(text)
+    out = keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(0))(encoded)
+    model = keras.Model(text, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def string_data(rows=14):
+    rng = np.random.default_rng(3)
+    words = rng.choice(WORDS + ["unknown"], rows)
+    return np.array(list(words), dtype=object), rng.random((rows, 2)).astype(np.float32)
+
+
+def test_string_arrays_and_datasets_train_evaluate_and_predict_as_keras_on_two_replicas():
+    """An object array of Python strings (what Keras' array adapter takes as tf.string) and a dataset of string
+    batches (the FeatureSpace test's form, read into memory for evaluate and predict): the weights, the loss and
+    the predictions equal Keras' own on one device. The arrays were refused ("Invalid dtype: object") where
+    tfdist named their dtype for Keras, and predict of the dataset failed alike."""
+    x, y = string_data()
+    reference = string_model()
+    reference.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = string_model()
+    tfdist.fit(model, x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, validation_data=(x[:6], y[:6]))
+    assert_same(model, reference)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    np.testing.assert_allclose(tfdist.evaluate(model, x, y, batch_size=4, verbose=0),
+                               reference.evaluate(x, y, batch_size=4, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(tfdist.evaluate(model, dataset, verbose=0), reference.evaluate(dataset, verbose=0),
+                               atol=1e-5)
+    expected = reference.predict(x, verbose=0)
+    np.testing.assert_allclose(tfdist.predict(model, x, verbose=0), expected, atol=1e-5)
+    np.testing.assert_allclose(tfdist.predict(model, dataset.map(lambda a, b: a), verbose=0), expected, atol=1e-5)
+    np.testing.assert_allclose(tfdist.predict_on_batch(model, x), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["bytes objects", "str", "bytes", "a generator"])
+def test_text_in_every_numpy_form_is_taken_as_tf_string(form):
+    """Object arrays of bytes, NumPy str ('U') and bytes ('S') arrays, and a generator of string batches train,
+    evaluate and predict as the object array of str does under Keras' own fit (whose fit, evaluate and predict name
+    no dtype for the other forms, while its train_on_batch and predict_on_batch take them as tf.string)."""
+    x, y = string_data()
+    reference = string_model()
+    reference.fit(x, y, batch_size=7, epochs=1, shuffle=False, verbose=0)
+    given = {"bytes objects": np.array([w.encode() for w in x], dtype=object), "str": x.astype(str),
+             "bytes": x.astype(bytes), "a generator": x}[form]
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = string_model()
+    if form == "a generator":
+        tfdist.fit(model, ((x[i:i + 7], y[i:i + 7]) for i in (0, 7)), verbose=0, shuffle=False)
+    else:
+        tfdist.fit(model, given, y, batch_size=7, epochs=1, shuffle=False, verbose=0)
+    assert_same(model, reference)
+    np.testing.assert_allclose(tfdist.evaluate(model, given, y, verbose=0), reference.evaluate(x, y, verbose=0),
+                               atol=1e-5)
+    np.testing.assert_allclose(tfdist.predict(model, given, verbose=0), reference.predict(x, verbose=0), atol=1e-5)
+    assert columns.tf_dtype(columns.leaf(given)) == tf.string
+
+
+# Unequal rows -----------------------------------------------------------------------------------------------------
+class Pairs(keras.Model):
+    """Its layer changes the batch dimension: each row of 4 becomes two rows of 2 (as an unbatched audio clip
+    becomes a spectrogram's frames), so its targets have twice x's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1, kernel_initializer="ones")
+
+    def call(self, x):
+        return self.dense(keras.ops.reshape(x, (-1, 2)))
+
+
+class SumOfOutputs(keras.losses.Loss):
+    """run_layer_test's loss: the outputs' sum, whatever y holds."""
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return keras.ops.sum(y_pred)
+
+
+class StepCounter(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_begin(self, logs=None):
+        self.calls.append("train_begin")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.calls.append(batch)
+
+
+@pytest.mark.parametrize("form", ["generator", "dataset", "validation", "evaluate"])
+def test_a_batch_whose_inputs_and_targets_differ_in_rows_is_refused_before_any_step(form):
+    """Keras' run_layer_test (MelSpectrogram: x 16000 rows, y 80) fits such a batch whole on one device; tfdist
+    splits batches by rows, so it refuses it in one paragraph naming the parts and their rows, and nothing ran.
+    It gathered past y's end inside its input pipeline ("indices[80] = 80 is not in [0, 80)"), or, the other way
+    round, trained on rows of y that belong to no example."""
+    x, y = np.ones((6, 4), np.float32), np.zeros((12, 1), np.float32)
+    strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32", **MIRRORED)
+    with strategy.scope():
+        model = Pairs()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=SumOfOutputs())
+    counter = StepCounter()
+
+    def batches():
+        while True:
+            yield x, y
+
+    with pytest.raises(tfdist.UserError) as refused:
+        if form == "generator":
+            tfdist.fit(model, batches(), steps_per_epoch=1, verbose=0, callbacks=[counter])
+        elif form == "dataset":
+            tfdist.fit(model, tf.data.Dataset.from_tensors((x, y)), verbose=0, callbacks=[counter])
+        elif form == "validation":  # Training rows of 2 features: one output row each.
+            tfdist.fit(model, x[:, :2], y[:6], batch_size=2, verbose=0, callbacks=[counter],
+                       validation_data=(b for b in [(x, y)]))
+        else:
+            # As many rows of x as of y in all (18), not in each batch.
+            tfdist.evaluate(model, (b for b in [(x, y), (np.ones((12, 4), np.float32), y[:6])]), verbose=0)
+    text = str(refused.value)
+    assert "x has 6 rows and y 12: every input, target and sample weight of a batch needs the same number of " \
+           "rows" in text and "splits each batch by rows among the replicas" in text, text
+    assert "\n" not in text
+    assert counter.calls == [] and not model.built and int(model.optimizer.iterations) == 0
+    if form == "generator":  # Keras' own fit takes the batch whole.
+        reference = Pairs()
+        reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=SumOfOutputs())
+        reference.fit(batches(), steps_per_epoch=1, verbose=0)
+        assert int(reference.optimizer.iterations) == 1
+
+
+def test_the_rows_of_a_batch_are_named_part_by_part():
+    st = tf.sparse.from_dense(np.ones((3, 2), np.float32))
+    assert columns.same_rows((np.ones((3, 2)), st, None)) is not None
+    assert columns.same_rows(tf.TensorSpec((None, 5))) is not None  # Unknown rows: nothing to compare.
+    with pytest.raises(tfdist.UserError, match=r"In a batch, x\[0\] has 3 rows, x\[1\] 2 and sample_weight 3:"):
+        columns.same_rows(([np.ones(3), np.ones((2, 1))], None, np.ones(3)))
+    with pytest.raises(tfdist.UserError, match="x has 4 rows and y 3"):
+        columns.same_rows((tf.TensorSpec((4, 1)), tf.TensorSpec((3,))))

@@ -17,9 +17,9 @@ judged tests (every test of FILES; of a broad file, those that call one of those
   - every file ran tests in both modes, and some test of it called one of those methods;
 
 and reports "N of M of Keras' own fit tests pass through tfdist on 2 replicas" (M: the judged baseline passes
-that call those methods). CI (KERAS_CONFORMANCE_CAP unset: "files") runs FILES whole and no broad file (capped
-at one calling test a file, the broad set still ran past 900 s a mode beside CI: KERAS_CONFORMANCE_CAP=1 runs
-that); `nox -s keras-conformance` (KERAS_CONFORMANCE_CAP=all) runs every test and then also checks that the
+that call those methods). CI (KERAS_CONFORMANCE_SET unset: "sample") runs FILES whole and, of each broad file,
+the one test tests/keras_conformance/sample.txt names (its quickest calling test); `nox -s keras-conformance`
+(KERAS_CONFORMANCE_SET=all) runs every test and then also checks that the
 README states the count. A listed test whose file did not run is not judged.
 
 By hand (the same commands; `strategy` instead of `tfdist` runs Keras' own methods under the same strategy, to
@@ -38,47 +38,49 @@ import os
 import subprocess
 import sys
 import time
-from typing import Optional
 
 import pytest
 
 from tests.conftest import REPO, subprocess_env
-from tests.keras_conformance import files, limits, plugin, results
+from tests.keras_conformance import collection, files, limits, plugin, results
 
 KNOWN_FAILURES = os.path.join(REPO, "tests", "keras_conformance", "known_failures.txt")
-# CI caps each broad file at CAP tests that call fit/evaluate/predict (plugin.py); KERAS_CONFORMANCE_CAP=all (the
-# nox session keras-conformance) runs every test, and only that full run checks the README's count.
-CAP_ENV = "KERAS_CONFORMANCE_CAP"
-DEFAULT_CAP = "files"  # CI: FILES whole, no broad file (the capped broad run took over 900 s a mode beside CI).
-RUN_TIMEOUT_S = {True: 900, False: 7200}  # Each mode, CI or the full run.
+# Which tests run (KERAS_CONFORMANCE_SET): "sample" (CI's default): FILES whole and, of each broad file, the one test
+# sample.txt names; "all" (the nox session keras-conformance): every test, and only that run checks the README's
+# count; "files": FILES alone.
+SET_ENV = "KERAS_CONFORMANCE_SET"
+SETS = ("sample", "all", "files")
+SAMPLE = os.path.join(REPO, "tests", "keras_conformance", "sample.txt")
+RUN_TIMEOUT_S = {"sample": 1200, "files": 900, "all": 7200}  # Each mode.
 
 
-def _cap() -> Optional[int]:
-    """None: every test; -1: FILES alone (CI's default); N: FILES and each broad file up to N calling tests."""
-    value = os.environ.get(CAP_ENV, DEFAULT_CAP).strip().lower()
-    return -1 if value == "files" else None if value in ("all", "none", "0", "") else int(value)
+def _set() -> str:
+    value = os.environ.get(SET_ENV, "sample").strip().lower()
+    if value not in SETS:
+        raise pytest.UsageError(f"{SET_ENV}={value!r}: expected one of {', '.join(SETS)}")
+    return value
 
 
-def _test_files(cap: Optional[int]) -> list[str]:
-    return files.keras_test_files(broad=cap != -1)
+def _test_files(chosen: str) -> list[str]:
+    return files.keras_test_files(broad=chosen != "files")
 
 
-def _command(mode: str, results_path: str, cap: Optional[int]) -> list[str]:
+def _command(mode: str, results_path: str, chosen: str) -> list[str]:
     keras_dir = files.keras_dir()
     return [sys.executable, "-m", "pytest", "-p", "tests.keras_conformance.plugin", "-p", "no:cacheprovider",
             "-p", "no:warnings", "-p", "no:xdist", "-q", "--tb=short", "--confcutdir", keras_dir,
             f"--keras-conformance={mode}", f"--keras-conformance-results={results_path}",
-            *([f"--keras-conformance-cap={cap}"] if cap is not None and cap > 0 else []), *_test_files(cap)]
+            *([f"--keras-conformance-sample={SAMPLE}"] if chosen == "sample" else []), *_test_files(chosen)]
 
 
-def _start(mode: str, tmp_path, cap: Optional[int]) -> tuple[subprocess.Popen, str, str, float, float]:
+def _start(mode: str, tmp_path, chosen: str) -> tuple[subprocess.Popen, str, str, float, float]:
     results_path, log = str(tmp_path / f"{mode}.json"), str(tmp_path / f"{mode}.log")
     env = subprocess_env({"KERAS_BACKEND": "tensorflow"})
     env.pop("PYTEST_ADDOPTS", None)
     with open(log, "w") as out:
-        process = subprocess.Popen(_command(mode, results_path, cap), stdout=out, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(_command(mode, results_path, chosen), stdout=out, stderr=subprocess.STDOUT,
                                    env=env, cwd=REPO)
-    return process, results_path, log, time.time(), RUN_TIMEOUT_S[cap is not None]
+    return process, results_path, log, time.time(), RUN_TIMEOUT_S[chosen]
 
 
 def _finish(mode: str, process: subprocess.Popen, results_path: str, log: str, started: float,
@@ -175,10 +177,10 @@ def _list_problems(result: dict, baseline: dict, through: dict, known: dict) -> 
     return problems
 
 
-def _coverage_problems(baseline: dict, through: dict, cap: Optional[int]) -> list[str]:
+def _coverage_problems(baseline: dict, through: dict, chosen: str) -> list[str]:
     """Every file the run uses ran tests in both modes (a file that fails to import runs none), and fits."""
     keras_root = os.path.dirname(files.keras_dir())
-    wanted = {os.path.relpath(path, keras_root).replace(os.sep, "/") for path in _test_files(cap)}
+    wanted = {os.path.relpath(path, keras_root).replace(os.sep, "/") for path in _test_files(chosen)}
     problems = []
     for name, data in (("baseline", baseline), ("tfdist", through)):
         seen = {t.split("::", 1)[0] for t in results.ran(data)}
@@ -196,16 +198,16 @@ def test_keras_conformance(tmp_path, record_property):
     missing = [path for path in files.keras_test_files() if not os.path.exists(path)]
     assert not missing, f"This Keras ({files.keras_dir()}) lacks test files the conformance run uses: {missing}"
     known, known_version = results.read_known_failures(KNOWN_FAILURES)
-    cap = _cap()
+    chosen = _set()
 
-    started = {mode: _start(mode, tmp_path, cap) for mode in ("baseline", "tfdist")}  # Side by side.
+    started = {mode: _start(mode, tmp_path, chosen) for mode in ("baseline", "tfdist")}  # Side by side.
     finished = {mode: _finish(mode, *started[mode]) for mode in started}
     (baseline, baseline_wall), (through, tfdist_wall) = finished["baseline"], finished["tfdist"]
     result = results.compare(baseline, through, known)
 
     failing_categories = collections.Counter(known[t][0] for t in known if t in results.ran(through))
-    scope = ("every test" if cap is None else "the trainer, callback and adapter files only" if cap == -1 else
-             f"broad files capped at {cap} calling tests each, {result['capped']} tests not run")
+    scope = {"all": "every test", "files": "the trainer, callback and adapter files only",
+             "sample": "those files whole and one test of each broad file"}[chosen]
     summary = (f"{_count(result)} ({result['baseline_passing_through_tfdist']} of {result['baseline_passing']} "
                f"baseline passes in all; {scope}; Keras {through['keras_version']}, TensorFlow "
                f"{through['tensorflow_version']}); wall time: baseline {baseline_wall:.0f} s, tfdist {tfdist_wall:.0f} "
@@ -216,8 +218,8 @@ def test_keras_conformance(tmp_path, record_property):
     record_property("keras_conformance", summary)
 
     problems = (_routing_problems(result, through) + _list_problems(result, baseline, through, known)
-                + _coverage_problems(baseline, through, cap))
-    if cap is None and _count(result) not in _what_differs():
+                + _coverage_problems(baseline, through, chosen))
+    if chosen == "all" and _count(result) not in _what_differs():
         problems.append(f"The README's 'What differs' section must state the measured count: \"{_count(result)}\".")
     if problems:
         note = ""
@@ -233,19 +235,41 @@ def _record(outcome: str, keras: int = 0, routed: int = 0) -> dict:
 
 
 def test_compare_judges_every_trainer_test_and_the_fit_tests_of_broad_files():
-    """A broad file's test that never fits is not judged; a capped test is not run, so not counted either way."""
+    """A broad file's test that never fits is not judged; a test the sample left out is not counted either way."""
     trainer, broad = "keras/src/trainers/trainer_test.py::T::", "keras/src/layers/core/dense_test.py::T::"
     baseline = {"tests": {trainer + "no_fit": _record("passed"), trainer + "fit": _record("passed", keras=1),
                           broad + "no_fit": _record("passed"), broad + "fit": _record("passed", keras=1),
-                          broad + "fit_fails": _record("passed", keras=1), broad + "capped": _record(results.CAPPED)}}
+                          broad + "fit_fails": _record("passed", keras=1)}}
     through = {"tests": {trainer + "no_fit": _record("failed"), trainer + "fit": _record("passed", routed=1),
                          broad + "no_fit": _record("failed"), broad + "fit": _record("passed", routed=1),
-                         broad + "fit_fails": _record("failed", routed=1), broad + "capped": _record(results.CAPPED)}}
-    result = results.compare(baseline, through, {broad + "capped": ("harness", "listed")})
+                         broad + "fit_fails": _record("failed", routed=1)}}
+    result = results.compare(baseline, through, {broad + "not_sampled": ("harness", "listed")})
     assert result["unexpected"] == [broad + "fit_fails", trainer + "no_fit"]
     assert (result["fit_tests"], result["fit_tests_passing"]) == (3, 2)
     assert (result["routed_tests"], result["routed_tests_passing"]) == (3, 2)
-    assert result["capped"] == 1 and result["not_baseline"] == [] and result["now_passing"] == []
+    assert result["not_baseline"] == [] and result["now_passing"] == []
+
+
+def test_the_sample_is_one_calling_test_of_each_broad_file():
+    """CI's sample names one test of every broad file (a stale id runs nothing: the run's coverage check says so)."""
+    sampled = sorted(collection.read_ids(SAMPLE))
+    by_file = collections.Counter(test.split("::", 1)[0] for test in sampled)
+    assert sorted(by_file) == sorted("keras/" + f for f in files.broad_files())
+    assert set(by_file.values()) == {1}
+
+
+def test_sample_picks_each_broad_files_quickest_passing_calling_test():
+    dense, conv = "keras/src/layers/core/dense_test.py::T::", "keras/src/layers/convolutional/conv_test.py::T::"
+    baseline = {"tests": {dense + "slow": _record("passed", keras=1), dense + "quick": _record("passed", keras=1),
+                          dense + "no_fit": _record("passed"), dense + "fails": _record("passed", keras=1),
+                          conv + "fails": _record("passed", keras=1)}}
+    through = {"tests": {dense + "slow": {**_record("passed", routed=1), "duration": 9.0},
+                         dense + "quick": {**_record("passed", routed=1), "duration": 2.0},
+                         dense + "no_fit": {**_record("passed"), "duration": 0.1},
+                         dense + "fails": {**_record("failed", routed=1), "duration": 0.5},
+                         conv + "fails": {**_record("failed", routed=1), "duration": 3.0}}}
+    assert results.sample(baseline, through) == [f"{conv}fails  # tfdist 3.0 s, fails",
+                                                 f"{dense}quick  # tfdist 2.0 s"]
 
 
 def test_the_broad_files_are_the_named_directories_tests_that_fit():

@@ -75,7 +75,8 @@ def conformance_id(item: Any) -> str:
 
 
 def read_ids(path: Optional[str]) -> Optional[set[str]]:
+    """The test ids a file lists, one a line (the first word; `#` starts a comment)."""
     if not path:
         return None
     with open(path) as f:
-        return {line.strip() for line in f if line.strip()}
+        return {line.split("#", 1)[0].split()[0] for line in f if line.split("#", 1)[0].strip()}

@@ -6,8 +6,9 @@ Two sets, paths relative to the keras package's directory:
   broad   (`broad_files()`) every other test file under BROAD_DIRS (and BROAD_EXTRA) whose text calls `fit`,
           `evaluate`, `predict`, a `*_on_batch` method or `run_layer_test` (Keras' layer test, which fits a model
           on the layer), less LEFT_OUT: models, layers, optimizers, metrics, losses, saving, distillation and the
-          TensorFlow backend's own tests. CI runs each file up to its first test that calls one of those
-          methods (plugin.py, --keras-conformance-cap); the nox session `keras-conformance` runs them all.
+          TensorFlow backend's own tests. CI runs one test of each (sample.txt: the file's quickest that calls
+          one of those methods; plugin.py, --keras-conformance-sample); the nox session `keras-conformance`
+          runs them all.
 """
 
 from __future__ import annotations

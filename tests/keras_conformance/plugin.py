@@ -22,9 +22,9 @@ Modes (--keras-conformance):
             methods run. A test that fails here as through tfdist, outside any tfdist frame, fails because of
             the run's strategy, not tfdist: a **harness** known failure.
 
---keras-conformance-cap=N (CI): in each broad file, the tests after the N-th that calls one of those methods are
-skipped and recorded as `capped` (not counted); FILES always run whole. Test order is fixed, so both modes cap
-the same tests. --keras-conformance-only=PATH runs only the test ids PATH lists (a rerun of some failures).
+--keras-conformance-sample=PATH (CI): of a broad file, only the test ids PATH lists run (sample.txt: one test a
+broad file that calls one of those methods); FILES always run whole. --keras-conformance-only=PATH runs only the
+test ids PATH lists, in every file (a rerun of some failures).
 
 The results file (JSON) holds, per test id (`keras/src/...py::Class::test`), the outcome, the calls the test
 made (`keras`: Keras' own fit/evaluate/predict/test_on_batch/predict_on_batch, top-level only; `routed`: calls
@@ -54,7 +54,6 @@ from tests.keras_conformance.collection import (OPTIONAL, compile_flag_variant, 
                                                 read_ids, stand_in)
 from tests.keras_conformance.files import FILES, keras_test_files
 from tests.keras_conformance.limits import Watchdog
-from tests.keras_conformance.results import CAPPED
 
 MODES = ("baseline", "tfdist", "strategy")  # tests/test_keras_conformance.py compares the first two.
 NUM_REPLICAS = 2
@@ -75,8 +74,6 @@ class _Run:
         self.started = time.time()
         self.local = threading.local()
         self.killed: Optional[str] = None
-        self.cap: Optional[int] = None  # Per broad file, the tests that make a counted call (None: no cap).
-        self.calling: dict[str, int] = {}  # Per test file, the tests so far that made a counted call.
 
 
 RUN = _Run()
@@ -210,9 +207,8 @@ def pytest_addoption(parser: Any) -> None:
                          "strategy: Keras' own fit/evaluate/predict under the same strategy (a diagnosis)")
     group.addoption("--keras-conformance-only", default=None,
                     help="a file of test ids (keras/src/...::Class::test, one a line): run only those")
-    group.addoption("--keras-conformance-cap", type=int, default=None,
-                    help="in each broad test file (not FILES), run the tests up to and including the N-th that "
-                         "calls fit/evaluate/predict; the rest are skipped and recorded as capped")
+    group.addoption("--keras-conformance-sample", default=None,
+                    help="a file of test ids: of a broad test file (not FILES), run only those")
     group.addoption("--keras-conformance-results", default=None, help="where to write the results (JSON)")
 
 
@@ -229,7 +225,6 @@ def pytest_configure(config: Any) -> None:
 
     if keras.backend.backend() != "tensorflow":
         raise pytest.UsageError(f"the conformance run needs KERAS_BACKEND=tensorflow, not {keras.backend.backend()}")
-    RUN.cap = config.getoption("--keras-conformance-cap")
     if RUN.mode in ("tfdist", "strategy"):
         import tensorflow as tf
 
@@ -269,11 +264,15 @@ def pytest_collection_modifyitems(config: Any, items: list) -> None:
     absent = [name for name in OPTIONAL if missing(name)]
     names = {item.nodeid for item in items}
     only = read_ids(config.getoption("--keras-conformance-only"))
+    sample = read_ids(config.getoption("--keras-conformance-sample"))
     kept = []
     for item in items:
         needs = [name for name in absent if name in item.name.lower()]
         variant = compile_flag_variant(item.nodeid, names)
-        if only is not None and conformance_id(item) not in only:
+        test_id = conformance_id(item)
+        if only is not None and test_id not in only:
+            continue
+        if sample is not None and test_id.split("::", 1)[0].split("/", 1)[1] not in FILES and test_id not in sample:
             continue
         if needs:
             RUN.deselected[conformance_id(item)] = f"needs {needs[0]} (not installed)"
@@ -293,27 +292,12 @@ def pytest_collection_modifyitems(config: Any, items: list) -> None:
 def pytest_runtest_protocol(item: Any, nextitem: Any) -> Any:
     if RUN.mode is None:
         return (yield)
-    RUN.current = record = RUN.tests.setdefault(conformance_id(item), _record())
-    test_file = conformance_id(item).split("::", 1)[0]
+    RUN.current = RUN.tests.setdefault(conformance_id(item), _record())
     try:
         return (yield)
     finally:
         _exit_scope()
         RUN.current = None
-        if any(record[kind] for kind in ("keras", "routed", "unrouted")):
-            RUN.calling[test_file] = RUN.calling.get(test_file, 0) + 1
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: Any) -> None:
-    """The cap: a broad file's tests after the one that made the cap's count of calling tests are not run."""
-    if RUN.mode is None or RUN.cap is None or RUN.current is None:
-        return
-    test_file = conformance_id(item).split("::", 1)[0]
-    if test_file.split("/", 1)[1] in FILES or RUN.calling.get(test_file, 0) < RUN.cap:
-        return
-    RUN.current["outcome"] = CAPPED
-    pytest.skip(f"keras_conformance: past the cap of {RUN.cap} calling tests in this file")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -2,6 +2,7 @@
 
   python -m tests.keras_conformance.results draft BASELINE.json TFDIST.json   # known-failure lines to fill in
   python -m tests.keras_conformance.results mechanisms TFDIST.json            # failures grouped by tfdist frame
+  python -m tests.keras_conformance.results sample BASELINE.json TFDIST.json  # CI's sample.txt, from a full run
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any, Optional
 
 from tests.keras_conformance.files import FILES, keras_dir
 
-CAPPED = "capped"  # A test the CI cap left out (plugin.py, --keras-conformance-cap): not run, not counted.
 KNOWN_LINE = re.compile(r"^(?P<id>\S+)\s+#\s*(?P<category>[^:]+?)\s*:\s*(?P<reason>\S.*)$")
 
 
@@ -47,7 +47,8 @@ def passed(results: dict) -> set[str]:
 
 
 def ran(results: dict) -> set[str]:
-    return {t for t, r in results["tests"].items() if r["outcome"] != CAPPED}
+    """The tests the run ran (a test CI's sample or --keras-conformance-only left out is not in the results)."""
+    return set(results["tests"])
 
 
 def calls_fit(record: dict) -> bool:
@@ -67,16 +68,16 @@ _NO_CALLS: dict = {"keras": {}}
 
 
 def compare(baseline: dict, through: dict, known: dict[str, tuple[str, str]]) -> dict:
-    """What the conformance test asserts on, as lists of test ids and counts (capped and unjudged tests left out)."""
+    """What the conformance test asserts on, as lists of test ids and counts (unrun and unjudged tests left out)."""
     both = {t for t in ran(baseline) & ran(through) if judged(t, baseline)}
     base_pass, tfdist_pass = passed(baseline) & both, passed(through) & both
     fit_tests = {t for t in base_pass if calls_fit(baseline["tests"][t])}
     return {
         "unexpected": sorted(base_pass - tfdist_pass - set(known)),  # Broken through tfdist, not listed.
         "now_passing": sorted(t for t in known if t in tfdist_pass),  # Listed, but passes: drop it from the list.
-        # Listed, but no baseline pass (renamed?); a listed test the cap or the file choice left out is not judged.
-        "not_baseline": sorted(t for t in known if t not in base_pass and t in baseline["tests"] and baseline[
-            "tests"][t].get("outcome") != CAPPED and through["tests"].get(t, {}).get("outcome") != CAPPED),
+        # Listed, but no baseline pass (renamed?); a listed test the sample or the file choice left out is not judged.
+        "not_baseline": sorted(t for t in known if t not in base_pass and t in baseline["tests"]
+                               and t in through["tests"]),
         "not_routed": sorted(t for t in fit_tests if not sum(through["tests"][t]["routed"].values())
                              and through["tests"][t]["outcome"] == "passed"),
         "keras_calls": sorted(t for t, r in through["tests"].items() if sum(r["keras"].values())),
@@ -85,7 +86,6 @@ def compare(baseline: dict, through: dict, known: dict[str, tuple[str, str]]) ->
         "fit_tests_passing": len(fit_tests & tfdist_pass),
         "baseline_passing": len(base_pass),
         "baseline_passing_through_tfdist": len(base_pass & tfdist_pass),
-        "capped": len(set(baseline["tests"]) | set(through["tests"])) - len(ran(baseline) & ran(through)),
         # The tests that routed a call to tfdist, and those of them that passed (the broadened run's measure).
         "routed_tests": len({t for t in base_pass if sum(through["tests"][t]["routed"].values())}),
         "routed_tests_passing": len({t for t in tfdist_pass if sum(through["tests"][t]["routed"].values())}),
@@ -144,7 +144,37 @@ def frames(excinfo: Any) -> dict[str, Optional[str]]:
     return found
 
 
+def sample(baseline: dict, through: dict) -> list[str]:
+    """CI's sample (sample.txt): per broad file, its quickest test that calls fit/evaluate/predict in baseline.
+
+    Quickest through tfdist of those that pass there (of those that fail, where none passes: a known failure).
+    """
+    best: dict[str, tuple[bool, float, str]] = {}
+    for test in passed(baseline) & ran(through):
+        name = test.split("::", 1)[0]
+        if name.split("/", 1)[1] in FILES or not calls_fit(baseline["tests"][test]):
+            continue
+        record = through["tests"][test]
+        key = (record["outcome"] != "passed", record["duration"], test)
+        best[name] = min(best.get(name, key), key)
+    return [f"{test}  # tfdist {duration:.1f} s{', fails' if failing else ''}"
+            for failing, duration, test in sorted(best.values(), key=lambda key: key[2])]
+
+
+def _load(paths: list[str]) -> dict:
+    """One results file, or several merged (the later wins a test both ran)."""
+    merged: dict = {"tests": {}}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        merged = {**data, "tests": {**merged["tests"], **data["tests"]}}
+    return merged
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["sample"] and len(argv) >= 3:
+        print("\n".join(sample(_load(argv[1:2]), _load(argv[2:]))))
+        return 0
     if argv[:1] in (["draft"], ["mechanisms"]) and len(argv) in (2, 3):
         loaded = []
         for path in argv[1:]:
@@ -157,7 +187,8 @@ def main(argv: list[str]) -> int:
             print("\n".join(mechanisms(loaded[-1], loaded[0] if len(loaded) == 2 else None)))
             return 0
     print("usage: python -m tests.keras_conformance.results draft BASELINE.json TFDIST.json | "
-          "mechanisms [BASELINE.json] TFDIST.json", file=sys.stderr)
+          "mechanisms [BASELINE.json] TFDIST.json | sample BASELINE.json TFDIST.json [TFDIST.json ...]",
+          file=sys.stderr)
     return 2
 
 

@@ -24,7 +24,7 @@ from keras.src import backend as keras_backend
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError, error_text
-from tfdist.training import keras_hooks
+from tfdist.training import columns, keras_hooks
 from tfdist.training.inputs import absent_as_none
 from tfdist.training.layer_state import RecordingScope, write_state
 from tfdist.training.metric_state import flatten_logs
@@ -196,8 +196,8 @@ def _symbolic_spec(example: Any) -> Any:
         if value is None:
             return None
         shape = tuple(value.shape)
-        dtype = value.dtype if isinstance(value.dtype, tf.DType) else tf.as_dtype(keras.backend.standardize_dtype(
-            value.dtype))
+        dtype = value.dtype if isinstance(value.dtype, tf.DType) else tf.string if columns.is_text_dtype(
+            value.dtype) else tf.as_dtype(keras.backend.standardize_dtype(value.dtype))
         return tf.TensorSpec((None, *shape[1:]), dtype)
 
     return tf.nest.map_structure(spec, example)

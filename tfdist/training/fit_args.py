@@ -204,7 +204,7 @@ def _standardize(batch: Any) -> tuple:
         batch = tuple(batch)
     if not isinstance(batch, tuple):
         batch = (batch,)
-    return inputs.to_numpy(batch)
+    return columns.same_rows(inputs.to_numpy(batch), "a batch the generator (or PyDataset) yields")
 
 
 def _spec(batch: tuple, batch_dim: Optional[int]) -> Any:

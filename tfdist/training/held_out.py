@@ -74,6 +74,8 @@ def _joined(parts: list, what: str) -> tuple:
     first = columns.first(parts[0])
     if first is None or columns.ndim(first) == 0:
         raise UserError(f"{what} yields scalars, not batches; batch it (dataset.batch(32)) first.")
+    for part in parts:  # Joined, the rows of batches unequal within would be miscounted.
+        columns.same_rows(part, f"a batch of {what}")
     try:
         joined = tf.nest.map_structure(lambda *leaves: _concat(leaves, what), *parts)
     except UserError:

@@ -24,6 +24,7 @@ from tfdist.errors import UserError, error_text
 from tfdist.training import checks, columns, custom_steps, evaluating, inputs, preparing
 from tfdist.training.callbacks import PREDICT_BATCH_HOOKS
 from tfdist.training.held_out import held_out, rows
+from tfdist.training.plan import compiled_execution
 
 # The most output bytes a compiled call returns (at least one step's): a step's rows are held twice on the device
 # (the TensorArray, its concatenation), so an execution's are fetched in parts of this size, the callbacks still
@@ -57,13 +58,14 @@ def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: i
         def replica_batch(slot: tf.Tensor) -> tuple:
             step, local = slot // here, slot % here
             if keras_batch is None:
-                positions = (step * replicas + first_replica + local) * per_replica_batch + tf.range(
-                    per_replica_batch, dtype=tf.int64)
+                start = (step * replicas + first_replica + local) * per_replica_batch
+                positions = start + tf.range(_rows(num - start, per_replica_batch, static_shapes), dtype=tf.int64)
             else:
                 start = step * keras_batch
                 mine = inputs.split_range(start, tf.clip_by_value(num - start, 0, keras_batch), replicas,
                                           first_replica + local)
-                positions = tf.concat([mine, -tf.ones([per_replica_batch - tf.size(mine)], tf.int64)], 0)
+                padding = _rows(tf.size(mine, tf.int64), per_replica_batch, static_shapes) - tf.size(mine, tf.int64)
+                positions = tf.concat([mine, -tf.ones([padding], tf.int64)], 0)
             if not static_shapes:
                 positions = tf.compat.v1.placeholder_with_default(positions, [None])
             indices = tf.clip_by_value(positions, 0, num - 1)
@@ -75,26 +77,54 @@ def predict_arrays_fn(arrays: inputs.Arrays, *, per_replica_batch: int, steps: i
     return dataset_fn
 
 
-class _Predictor:
-    """One model's compiled predict execution under one backend: each step's rows and their positions, as every
-    local replica (on a multi-worker job, every replica: `gather`) predicted them, in one TensorArray an output.
+def _rows(examples: tf.Tensor, per_replica_batch: int, static_shapes: bool) -> tf.Tensor:
+    """The rows of a replica's batch holding `examples` of the input (compiled): the whole batch where shapes
+    are static, else the examples and no padding, one discarded row where it has none (layers that need a row).
+    A short last batch padded to the whole batch on every replica took the activations of replicas x
+    `batch_size` rows: a 1-example predict of an EfficientNetB0 grew the process by 1.1 GB (Keras' by 64 MB)."""
+    examples = tf.clip_by_value(tf.cast(examples, tf.int64), 0, per_replica_batch)
+    return tf.constant(per_replica_batch, tf.int64) if static_shapes else tf.maximum(examples, 1)
 
-    Holds the model weakly (the cache it lives in is keyed by the model) and its output specs by input
-    signature; `composite` is the one-task call for ragged and sparse outputs (`_predict_composite`)."""
+
+class _Predictor:
+    """One model's compiled predict executions under one backend (`_Steps`), and its output specs by input
+    signature; `composite` is the one-task call for ragged and sparse outputs (`_predict_composite`).
+
+    The compiled functions hold the steps they run, and the steps hold nothing that holds them: no reference
+    cycle, so the graphs go with the model's cache entry at once. (Bound to the predictor itself they made one,
+    and a dropped model's graphs, 2 replicas' of an EfficientNetB0 about 100 MB, waited for a second full
+    garbage collection.)"""
 
     def __init__(self, model: keras.Model, backend: Backend):
-        self._model = weakref.ref(model)
+        steps = _Steps(model, backend)
+        self._model, self.backend, self.gather = steps.model, backend, steps.gather
+        self.specs: dict[Any, Any] = {}
+        self.function = backend.compile(steps.run)
+        self.step_function = backend.compile(steps.one_step)
+        self.composite = tf.function(steps.call, reduce_retracing=True)
+
+    def output_spec(self, arrays: inputs.Arrays, batch: int) -> Any:
+        """The model's output spec for inputs like `arrays` (in batches of `batch`), kept by input signature."""
+        key = str(tf.nest.map_structure(lambda a: (type(a).__name__, tuple(a.shape[1:]), str(a.dtype)), arrays.x))
+        if key not in self.specs:
+            self.specs[key] = _output_spec(self._model(), arrays, batch)
+        return self.specs[key]
+
+
+class _Steps:
+    """What a predict execution runs: each step's rows and their positions, as every local replica (on a
+    multi-worker job, every replica: `gather`) predicted them, in one TensorArray an output. Holds the model
+    weakly (the cache the predictor lives in is keyed by the model)."""
+
+    def __init__(self, model: keras.Model, backend: Backend):
+        self.model = weakref.ref(model)
         self.backend = backend
         self.gather = backend.sharded_input and backend.num_workers > 1  # Each process runs some replicas.
-        self.specs: dict[Any, Any] = {}
-        self.function = backend.compile(self._run)
-        self.step_function = backend.compile(self._one_step)
-        self.composite = tf.function(self._call, reduce_retracing=True)
 
-    def _call(self, x: Any) -> Any:
-        return self._model()(inputs.absent_as_none(x), training=False)
+    def call(self, x: Any) -> Any:
+        return self.model()(inputs.absent_as_none(x), training=False)
 
-    def _run(self, iterator: Any, num_steps: tf.Tensor, dtypes: tuple) -> list[list[tf.Tensor]]:
+    def run(self, iterator: Any, num_steps: tf.Tensor, dtypes: tuple) -> list[list[tf.Tensor]]:
         """`num_steps` steps: each leaf's rows (the outputs', then the positions), in one part."""
         arrays = [tf.TensorArray(dtype, size=tf.cast(num_steps, tf.int32), infer_shape=False)
                   for dtype in (*dtypes, tf.int64)]
@@ -104,7 +134,7 @@ class _Predictor:
             arrays = [array.write(step, tf.concat(self._local_rows(value), 0)) for array, value in zip(arrays, values)]
         return [[array.concat()] for array in arrays]
 
-    def _one_step(self, iterator: Any) -> list[list[tf.Tensor]]:
+    def one_step(self, iterator: Any) -> list[list[tf.Tensor]]:
         """One step: each leaf's rows as each local replica holds them (no copy: large outputs)."""
         values = self.backend.run_eval(self._replica_step, (next(iterator),))
         return [list(self._local_rows(value)) for value in values]
@@ -118,7 +148,7 @@ class _Predictor:
 
     def _replica_step(self, element: tuple) -> list[tf.Tensor]:
         x, positions = element
-        values = [*tf.nest.flatten(self._model()(inputs.absent_as_none(x), training=False)), positions]
+        values = [*tf.nest.flatten(self.model()(inputs.absent_as_none(x), training=False)), positions]
         if self.gather:
             values = [self._all_gather(value, f"tfdist_predict_{j}") for j, value in enumerate(values)]
         return values
@@ -137,13 +167,6 @@ class _Predictor:
         except (ValueError, AttributeError):  # One trace for every replica (TPUs), or no replica context.
             return ""
         return dict(self.backend.local_replicas()).get(index, "")
-
-    def output_spec(self, arrays: inputs.Arrays, batch: int) -> Any:
-        """The model's output spec for inputs like `arrays` (in batches of `batch`), kept by input signature."""
-        key = str(tf.nest.map_structure(lambda a: (type(a).__name__, tuple(a.shape[1:]), str(a.dtype)), arrays.x))
-        if key not in self.specs:
-            self.specs[key] = _output_spec(self._model(), arrays, batch)
-        return self.specs[key]
 
 
 @dataclasses.dataclass
@@ -176,8 +199,9 @@ def _cannot_take(e: Exception) -> UserError:
 
 def _output_spec(model: keras.Model, arrays: inputs.Arrays, batch: int) -> Any:
     example = tf.nest.map_structure(
-        lambda a: keras.KerasTensor((batch, *a.shape[1:]), a.dtype.name, sparse=isinstance(a, tf.SparseTensor),
-                                    ragged=isinstance(a, tf.RaggedTensor)), arrays.x)
+        lambda a: keras.KerasTensor((batch, *a.shape[1:]), columns.tf_dtype(a).name,
+                                    sparse=isinstance(a, tf.SparseTensor), ragged=isinstance(a, tf.RaggedTensor)),
+        arrays.x)
     example = inputs.absent_as_none(example)
     # A symbolic call, as predict calls the model: it converts the inputs to the model's input dtypes (an int64
     # batch into a float32 Input gives float32 outputs, where `model.compute_output_spec` says int64), and takes an
@@ -242,7 +266,7 @@ def predict(
         raise UserError(f"predict: the model's outputs have no fixed shape for these inputs ({[s for s, _ in specs]} "
                         "per example); tfdist.predict gathers fixed-shape rows. Pad the inputs to a fixed shape.")
     replicas = evaluating.evaluating_replicas(backend)
-    split = evaluating.keras_batch_steps(model, backend, callbacks, PREDICT_BATCH_HOOKS)
+    split = _splits_batches(model, backend, callbacks)
     num, rows_per_step = arrays.num_examples, batch if split else batch * replicas
     num_steps = evaluating.num_steps(num, batch, backend, split)
     iterator = iter(backend.distribute_eval_dataset(predict_arrays_fn(
@@ -252,7 +276,7 @@ def predict(
     dtypes = tuple(dtype.name for _, dtype in specs)
     callback_list = evaluating.callback_list(model, backend, callbacks, verbose, num_steps)
     row_bytes = sum(int(np.prod(shape)) * dtype.size for shape, dtype in specs)
-    per_call = max(1, _CALL_BYTES // max(1, rows_per_step * row_bytes))
+    per_call = _steps_per_call(steps_per_execution, model, backend, rows_per_step * row_bytes)
     callback_list.on_predict_begin()
     written = 0
     for first, count in evaluating.executions(num_steps, per_execution):
@@ -271,6 +295,29 @@ def predict(
     callback_list.on_predict_end()
     backend.leave_last()
     return tf.nest.pack_sequence_as(spec, results)
+
+
+def _splits_batches(model: keras.Model, backend: Backend, callbacks: Any) -> bool:
+    """Whether each step is one Keras batch split over the replicas (else a whole batch a replica): where a
+    callback has per-batch hooks (they come once a Keras batch, as in Keras), and where several replicas share
+    this process' memory (CPU devices), as Keras' predict under a strategy. There whole batches held replicas x
+    the activations of Keras' one batch: twice Keras' peak for an EfficientNetB0 on 2 CPU replicas. A GPU
+    replica holds what Keras' one device holds, in half the steps. Never on a TPU (one shape)."""
+    if evaluating.keras_batch_steps(model, backend, callbacks, PREDICT_BATCH_HOOKS):
+        return True
+    return evaluating.evaluating_replicas(backend) > 1 and backend.device_kind == "cpu" and \
+        len(backend.local_replicas()) > 1
+
+
+def _steps_per_call(asked: Optional[int], model: keras.Model, backend: Backend, step_bytes: int) -> int:
+    """Steps one compiled call runs. One where nobody asked for more (tfdist's `steps_per_execution` or
+    compile's), as Keras' predict: a loop of steps in one call holds the model's graph again in its body (40 MB
+    more for an EfficientNetB0 on 2 replicas), where a Python loop of one-step calls costs little next to a
+    large model's step (a 2-layer MLP's 313 steps: about 0.2 s more). Else the steps asked (TPUs: tfdist's
+    default too, round trips costing most), in parts of at most `_CALL_BYTES` of output."""
+    if asked is None and compiled_execution(model) == 1 and backend.device_kind != "tpu":
+        return 1
+    return max(1, _CALL_BYTES // max(1, step_bytes))
 
 
 def _place(results: list[np.ndarray], values: list[list[tf.Tensor]], num: int) -> int:

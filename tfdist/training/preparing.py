@@ -12,7 +12,7 @@ import tensorflow as tf
 from tfdist.distribute import adopting, strategies
 from tfdist.distribute.backend import Backend
 from tfdist.errors import UserError, error_text
-from tfdist.training import custom_steps, inputs
+from tfdist.training import columns, custom_steps, inputs
 from tfdist.training.controller import Preempted
 
 
@@ -49,7 +49,8 @@ def build(model: keras.Model, backend: Backend, example: tuple, *, optimizer_sta
         try:
             if unbuilt:  # Keras builds an unbuilt optimizer here: marked built while the model builds.
                 optimizer.built = True
-            model._symbolic_build(data_batch=(inputs.absent_as_none(x), y, sample_weight))
+            data = inputs.map_present(columns.symbolic, (inputs.absent_as_none(x), y, sample_weight))
+            model._symbolic_build(data_batch=data)  # Text as tf.string, as Keras' adapters hand it over.
         except (ValueError, TypeError) as e:
             raise UserError(f"The model cannot take these inputs: {error_text(e)}") from None
         finally:

@@ -223,7 +223,7 @@ def element_spec(model: keras.Model, dataset: tf.data.Dataset, what: str) -> tup
     if len(spec) not in (1, 2, 3):
         raise UserError(f"{what} must yield x, (x, y) or (x, y, sample_weight) batches, not {spec}.")
     _check_rank(model, spec[0], what)
-    return spec
+    return columns.same_rows(spec, f"the batches of {what[0].lower()}{what[1:]}")
 
 
 def first_batch_size(dataset: tf.data.Dataset) -> int:
