@@ -365,3 +365,49 @@ def test_metric_states_open_and_close_each_epoch_and_evaluation_as_keras():
                                reference.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)
     for a, b in zip(state(model), state(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def _top_level_loops(function) -> list:
+    """The While ops at the top of each graph `function` (a tf.function) traced."""
+    return [op.type for concrete in function._list_all_concrete_functions()
+            for op in concrete.graph.get_operations() if op.type in ("While", "StatelessWhile")]
+
+
+@pytest.mark.parametrize("source", ["arrays", "generator", "ending generator"])
+def test_a_one_step_execution_is_traced_once_without_the_step_loop_and_trains_as_on_one_device(monkeypatch, source):
+    # Issue 40: a fit whose executions each run one step (steps_per_epoch=1, as Keras' run_layer_test) traced
+    # its step inside a tf.range loop; around a step with loops of its own (an RNN) that loop cost 2-3x
+    # Keras' tracing and graph optimisation time and ~3x its memory, never returned, on every fit of a new model.
+    x, y = regression_data()
+    built = []
+    original = steps_lib.StepFunctions.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(steps_lib.StepFunctions, "__init__", recording)
+
+    def generator():
+        while True:
+            yield x, y
+            if source == "ending generator":  # Ends in the second epoch's one-step execution.
+                return
+
+    def run(fit, model):
+        if source == "arrays":  # One batch of all the examples: one step an epoch.
+            return fit(model, x, y, batch_size=len(x), epochs=2, shuffle=False, verbose=0)
+        return fit(model, generator(), steps_per_epoch=1, epochs=2, verbose=0)  # A stream.
+
+    tfdist.make_strategy("default", precision="float32")
+    reference = small_model()
+    start = reference.get_weights()
+    want = run(lambda m, *a, **k: m.fit(*a, **k), reference).history
+    strategy = tfdist.make_strategy("mirrored", precision="float32", num_cpu_replicas=2, **MIRRORED)
+    with strategy.scope():
+        model = small_model()
+    have = run(tfdist.fit, model).history
+    assert_same_training((reference.get_weights(), want), (model.get_weights(), have), start)
+    (steps,) = built
+    assert steps.train_execution.experimental_get_tracing_count() == 1
+    assert _top_level_loops(steps.train_execution) == []

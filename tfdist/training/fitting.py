@@ -27,6 +27,7 @@ from tfdist.training.callbacks import BATCH_HOOKS, TEST_BATCH_HOOKS, callbacks_f
 from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.controller import Controller, LoopOptions, LoopResult
 from tfdist.training.plan import LoopPlan
+from tfdist.training import steps as steps_lib
 from tfdist.training.steps import StepFunctions
 
 
@@ -83,7 +84,7 @@ def train(model: keras.Model, x: Any = None, y: Any = None, **arguments: Any) ->
             row_sparse=backend.sum_rows_each_step(plan.steps_per_execution), streamed=plan.streamed,
             train_example=custom_steps.keras_data(inputs.drop_none(source.example(plan.micro_batch))),
             eval_example=custom_steps.keras_data(inputs.drop_none(validation[0].structure)) if validation else None,
-            zero=call.zero)
+            zero=call.zero, one_step=steps_lib.one_step_executions(plan))
         # After the step functions: a custom step's optimizers are built when its step is first traced.
         backend.broadcast_initial_state(list(model.variables) + custom_steps.optimizer_variables(model))
         optimizer_state = zero.state_report(call.zero, backend)

@@ -75,13 +75,14 @@ class StepFunctions:
     def __init__(self, model: keras.Model, backend: Backend, *, grad_accum_steps: int, step_counter: tf.Variable,
                  jit_compile: bool = False, train_example: Any = None, eval_example: Any = None,
                  partial_last: bool = False, training: bool = True, row_sparse: bool = True,
-                 streamed: bool = False, zero: Any = None):
+                 streamed: bool = False, zero: Any = None, one_step: bool = False):
         """``train_example``/``eval_example``: a batch's element structure (`custom_steps.keras_data`),
         for models with a custom ``train_step``/``test_step`` (traced once, `custom_steps.probe`).
         ``training=False``: evaluation only (`tfdist.evaluate`). ``row_sparse``: a sparse input's kernel
         gradient may reach the optimizer row-sparse (`Backend.sum_rows_each_step`). ``streamed``: the input
         may end in an execution (a stream: `execution`). ``zero``: the sharded optimizer state
-        (`tfdist.training.zero`) that updates the variables, or None."""
+        (`tfdist.training.zero`) that updates the variables, or None. ``one_step``: every training
+        execution runs one step (`one_step_executions`), traced without the step loop."""
         self.model = model
         self.zero = zero
         self.backend = backend
@@ -117,7 +118,8 @@ class StepFunctions:
             else self._distributed_train_step
         # Bound methods, not lambdas: autograph converts them (and logs no warning holding them).
         self.train_execution = execution(backend, self._train_one, zeros=self._train_totals,
-                                         reduce=backend.reduce_sum, streamed=streamed, finish=self._sync_state)
+                                         reduce=backend.reduce_sum, streamed=streamed, finish=self._sync_state,
+                                         single=one_step)
         self.eval_execution = execution(backend, self._eval_one, zeros=self._eval_totals, reduce=backend.reduce_eval)
 
     # What `execution` runs: the totals to start from, one step, the state replicas average at the end.
@@ -336,30 +338,56 @@ class StepFunctions:
         return tf.cond(tf.size(mask) > 0, update, lambda: totals)
 
 
+def one_step_executions(plan: Any) -> bool:
+    """Whether every training execution of `plan` (a `LoopPlan`) runs one step (the controller's ``num``)."""
+    return plan.steps_per_execution == 1 or (not plan.epoch_steps and plan.steps_per_epoch == 1)
+
+
 def execution(backend: Backend, step: Callable[..., Any], *, zeros: Callable[[], Any], reduce: Callable[[Any], Any],
-              streamed: bool = False, finish: Optional[Callable[[], None]] = None) -> Callable[..., Any]:
+              streamed: bool = False, finish: Optional[Callable[[], None]] = None,
+              single: bool = False) -> Callable[..., Any]:
     """One compiled execution of ``num_steps`` steps (train, eval and predict alike): ``state = zeros()``, then
     ``state = step(next(iterator), state, *args)`` a step, then ``finish()`` and ``reduce(state)``.
 
     Steps run one at a time: collectives of two steps in flight at once would collide (Horovod names its
     all-reduces by graph node). ``streamed``: the input may end inside the execution, which then ends there,
-    its steps counted (a stream).
+    its steps counted (a stream). ``single``: every call runs one step (``num_steps`` 1, checked), traced
+    without the step loop, as Keras' one-step ``train_function``: a ``tf.range`` loop around a step holding
+    loops of its own (an RNN's) costs several times the step's tracing, graph optimisation and memory (issue
+    40). The trace's custom gradients are forgotten after it (`keras_hooks.forgetting_traced_gradients`).
     """
-    def run(iterator: Any, num_steps: tf.Tensor, *args: Any) -> Any:
-        state = zeros()
-        for _ in tf.range(num_steps):
-            tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+    def run_one(iterator: Any, num_steps: tf.Tensor, *args: Any) -> Any:
+        with keras_hooks.forgetting_traced_gradients():
+            tf.debugging.assert_equal(num_steps, tf.constant(1, num_steps.dtype), message="a one-step execution")
+            state = zeros()
             if streamed:
                 element = iterator.get_next_as_optional()
-                if not element.has_value():
-                    break
-                state = step(element.get_value(), state, *args)
-                continue
-            # Read each step: a stop requested on a worker mid-execution (a variable) travels with this
-            # execution's reduction.
-            state = step(next(iterator), state, *args)
-        if finish is not None:
-            finish()
-        return reduce(state)
+                if element.has_value():
+                    state = step(element.get_value(), state, *args)
+            else:
+                state = step(next(iterator), state, *args)
+            if finish is not None:
+                finish()
+            result = reduce(state)
+        return result
 
-    return backend.compile(run)
+    def run(iterator: Any, num_steps: tf.Tensor, *args: Any) -> Any:
+        with keras_hooks.forgetting_traced_gradients():
+            state = zeros()
+            for _ in tf.range(num_steps):
+                tf.autograph.experimental.set_loop_options(parallel_iterations=1)
+                if streamed:
+                    element = iterator.get_next_as_optional()
+                    if not element.has_value():
+                        break
+                    state = step(element.get_value(), state, *args)
+                    continue
+                # Read each step: a stop requested on a worker mid-execution (a variable) travels with this
+                # execution's reduction.
+                state = step(next(iterator), state, *args)
+            if finish is not None:
+                finish()
+            result = reduce(state)
+        return result
+
+    return backend.compile(run_one if single else run)
