@@ -3,8 +3,9 @@
 2 MultiWorkerMirrored workers (tfdist-launch) on this machine train a 4 x 4096 MLP (50.4M float32 weights,
 201 MB; Adam's moments 403 MB) for 2 epochs of 5 steps, batch 16, at zero_stage 0, 1 and 2, over loopback and
 over a link shaped to 1 Gbit/s (--link_rate=1gbit). Each worker reports its peak resident memory
-(ru_maxrss), the optimizer-state bytes it holds (`LoopResult.optimizer_state`) and the second epoch's time
-(the first pays for tracing). Stage 3 is refused (docs/sharding.md says why); the refusal is recorded.
+(ru_maxrss), TensorFlow's allocator peak (`get_memory_info("CPU:0")`), the optimizer-state bytes it holds
+(`LoopResult.optimizer_state`) and the second epoch's time (the first pays for tracing). Stage 3 is refused
+(docs/sharding.md says why); the refusal is recorded.
 
   python scripts/zero_memory.py                      # writes benchmarks/zero_memory.json and prints a table
   python scripts/zero_memory.py --links=loopback --repeats=1
@@ -30,6 +31,7 @@ def worker(stage: int) -> None:
 
     import keras
     import numpy as np
+    import tensorflow as tf
 
     import tfdist
     from tfdist.distribute import strategies
@@ -58,6 +60,7 @@ def worker(stage: int) -> None:
     print("ZERO " + json.dumps({
         "stage": stage, "worker": backend.worker_index, "params": model.count_params(),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "allocator_peak_mib": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2 ** 20),
         "optimizer_state_mb": round(state / 2 ** 20, 1), "epoch2_s": round(result.epoch_seconds[-1], 3),
         "step_ms": round(1000 * result.epoch_seconds[-1] / STEPS, 1)}), flush=True)
 

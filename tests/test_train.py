@@ -323,10 +323,13 @@ def test_zero_stage_trains_as_unsharded_and_reports_each_replicas_state(tmp_path
     for a, b in zip(load_weights(str(tmp_path / "whole" / "model.keras")),
                     load_weights(str(tmp_path / "sharded" / "model.keras"))):
         np.testing.assert_allclose(a, b, atol=1e-6)
-    params = sum(int(np.prod(w.shape)) for w in load_weights(str(tmp_path / "sharded" / "model.keras")))
+    weights = load_weights(str(tmp_path / "sharded" / "model.keras"))
+    params = sum(int(np.prod(w.shape)) for w in weights)
     assert "zero_stage" not in whole and sharded["zero_stage"] == 2
     parts = sharded["optimizer_state_bytes_per_replica"]
-    assert len(parts) == 2 and min(parts) > 0 and sum(parts) == sharded["optimizer_state_bytes_total"] == 8 * params
+    # Equal flat shards: the same bytes on each replica, padded by under 2 floats a moment a bucket.
+    assert len(parts) == 2 and parts[0] == parts[1] and sum(parts) == sharded["optimizer_state_bytes_total"]
+    assert 8 * params <= sum(parts) < 8 * (params + 2 * len(weights))
 
 
 def test_a_non_finite_loss_stops_tfdist_train_unless_told_to_go_on(tmp_path):

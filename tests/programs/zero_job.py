@@ -2,6 +2,9 @@
 
   python tests/programs/zero_job.py OUT STRATEGY STAGE STEPS [WORKDIR]
 
+STRATEGY: a `tfdist.make_strategy` name, or ``mirrored:N`` (N in-process replicas, collective ops).
+TFDIST_TEST_BUCKET_BYTES: the bucket size; TFDIST_TEST_ACCUM: grad_accum_steps (2).
+
 Trains `tests.zero_model.model()` on `tests.zero_model.data()` for STEPS steps in all (resuming from WORKDIR's
 checkpoint when there is one, saving every 5 steps), then writes OUT/task{N}.npz: its weights and the
 optimizer-state figures tfdist reports.
@@ -22,18 +25,21 @@ from tfdist.training.fitting import train  # noqa: E402
 
 def main() -> None:
     if os.environ.get("TFDIST_TEST_BUCKET_BYTES"):  # Small buckets: some replicas send nothing in some.
-        from tfdist.training import zero
+        from tfdist.training.zero import layout
 
-        zero.BUCKET_BYTES = int(os.environ["TFDIST_TEST_BUCKET_BYTES"])
+        layout.BUCKET_BYTES = int(os.environ["TFDIST_TEST_BUCKET_BYTES"])
     out, name, stage, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     workdir = sys.argv[5] if len(sys.argv) > 5 else None
-    strategy = tfdist.make_strategy(name, precision="float32")
+    if name.startswith("mirrored:"):  # In-process replicas on MirroredStrategy's collective ops.
+        strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=int(name.split(":")[1]), precision="float32")
+    else:
+        strategy = tfdist.make_strategy(name, precision="float32")
     with strategy.scope():
         model = job.model()
     x, y = job.data()
+    accum = int(os.environ.get("TFDIST_TEST_ACCUM", "2"))
     result = train(model, x, y, batch_size=job.BATCH, epochs=1, max_steps=steps, shuffle=False, verbose=0,
-                   zero_stage=stage, grad_accum_steps=2, workdir=workdir, checkpoint_every_steps=5,
-                   export=())
+                   zero_stage=stage, grad_accum_steps=accum, workdir=workdir, checkpoint_every_steps=5, export=())
     index = strategies.current_backend().worker_index
     np.savez(os.path.join(out, f"task{index}.npz"), *model.get_weights(),
              state=json.dumps(result.optimizer_state), steps=result.steps)

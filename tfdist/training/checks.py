@@ -258,9 +258,9 @@ def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any 
         return
     if stage == 3:
         raise UserError("zero_stage=3 (sharding the weights themselves) is not available: a Keras 3 layer reads "
-                        "its whole variables in call(), and TensorFlow has no way to gather a variable just "
-                        "before a layer uses it and free it after without changing the model (docs/sharding.md "
-                        "says what it would take). Use zero_stage=2: the optimizer state and gradients sharded.")
+                        "its whole variables in call(), and gathering each layer's weights just before it runs "
+                        "(and again in the backward pass) is not built yet (docs/sharding.md, Stage 3). Use "
+                        "zero_stage=2: the optimizer state and gradients sharded.")
     where = "parameter servers (the optimizer state already lives on the ps tasks, sharded by variable)" \
         if backend.asynchronous else "a TPU (its step is traced once for every core, so a core cannot keep its " \
         "own part)" if backend.device_kind == "tpu" else ""
@@ -296,8 +296,12 @@ def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any 
         raise UserError(f"zero_stage={stage} with grad_accum_steps={grad_accum_steps} would combine each "
                         "micro-batch's gradients by Adasum, which is not the Adasum of their sum. Use zero_stage=1 "
                         "(one Adasum a step) or --hvd_op=average.")
-    if inner.global_clipnorm and inner.gradient_accumulation_steps:
-        raise UserError(f"zero_stage={stage} cannot apply {type(inner).__name__}(global_clipnorm=..., "
+    from tfdist.training.zero.optimizer import check_supported
+
+    check_supported(inner)
+    if (inner.global_clipnorm or inner.clipnorm) and inner.gradient_accumulation_steps:
+        which = "global_clipnorm" if inner.global_clipnorm else "clipnorm"
+        raise UserError(f"zero_stage={stage} cannot apply {type(inner).__name__}({which}=..., "
                         "gradient_accumulation_steps=...): the norm is of the gradients the optimizer "
                         "accumulates, which no replica holds whole. Use tfdist.fit(grad_accum_steps=...) instead "
                         "of the optimizer's accumulation, or zero_stage=0.")

@@ -288,12 +288,12 @@ class StepFunctions:
         # Sharded at stage 2, each micro-batch is reduced as it ends and only the owned part accumulates.
         reduce_each = self.zero is not None and self.zero.stage >= 2 and self.accum > 1
         present: list[int] = []
-        for micro in self._micro_batches(data):
+        for m, micro in enumerate(self._micro_batches(data)):
             x, y, sample_weight = _unpack(micro)
             g, d, _, b = self._forward_backward(x, y, sample_weight, total)
             present = [i for i, v in enumerate(g) if v is not None]
-            if reduce_each:
-                g = self.zero.keep_owned(self.backend.finish_gradients(updates.dense(g)))
+            if reduce_each:  # This replica's slices of the micro-batch's summed gradient.
+                g = self.zero.reduce(g, tag=f"_m{m}")
             grads = g if grads is None else [_add_grads(a, c) for a, c in zip(grads, g)]
             deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
             examples += b

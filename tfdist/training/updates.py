@@ -21,11 +21,12 @@ def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Va
     """All-reduces one replica step's `grads` and applies them to the model's trainable variables (counting
     the step); returns 1.0 where the summed gradients are non-finite (alike on every replica), else 0.0.
 
-    ``zero``: a sharded optimizer state (`tfdist.training.zero`) applies them, to the owned variables;
-    `present`: the variables with a gradient; ``reduced``: `grads` are already summed, the owned ones only.
+    ``zero``: a sharded optimizer state (`tfdist.training.zero`) reduce-scatters them and applies its slices;
+    `present`: the variables with a gradient; ``reduced``: `grads` are already this replica's summed slices.
     """
-    if zero is not None and reduced:
-        return _apply_sharded(zero, backend, grads, step_counter, present=present, reduced=True)
+    if zero is not None:  # Reduce-scattered (`reduced`: a micro-batch at a time already) and applied by shards.
+        return _apply_sharded(zero, backend, grads if reduced else zero.reduce(grads), step_counter,
+                              present=present)
     leaves = tf.nest.flatten(data)
     sparse = any(isinstance(t, tf.SparseTensor) for t in leaves)
     if any(isinstance(t, tf.RaggedTensor) for t in leaves) or (sparse and not row_sparse) or \
@@ -37,8 +38,6 @@ def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Va
     # Else a sparse input's kernel gradient (each replica's own unique rows) is summed as unique rows: it
     # reaches the optimizer row-sparse, one device's gradient.
     grads = backend.finish_gradients(grads, distinct_rows=sparse and row_sparse)
-    if zero is not None:
-        return _apply_sharded(zero, backend, grads, step_counter, present=present, reduced=False)
     # Whether this step's all-reduced gradients are non-finite: the same on every replica (the loop's
     # divergence guard counts steps).
     nonfinite = 1.0 - tf.cast(all_finite(grads), tf.float32)
@@ -50,16 +49,9 @@ def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Va
     return nonfinite
 
 
-def dense(grads: list) -> list:
-    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-
-
 def _apply_sharded(zero: Any, backend: Backend, grads: list, step_counter: tf.Variable, *,
-                   present: Sequence[int], reduced: bool) -> tf.Tensor:
-    """The sharded update of all-reduced `grads`, of which a replica keeps its own variables' (``reduced``: the
-    step reduced each micro-batch and kept those already)."""
-    if not reduced:
-        grads = zero.keep_owned(grads)
+                   present: Sequence[int]) -> tf.Tensor:
+    """The sharded update of this replica's slices of the summed gradients (`zero.reduce`)."""
     finite = []
     backend.apply_step(lambda _: finite.append(zero.apply(grads, present)), step_counter)
     return 1.0 - tf.cast(finite[0], tf.float32)
