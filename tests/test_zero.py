@@ -165,13 +165,22 @@ def test_a_variable_without_a_gradient_and_a_constraint_are_left_as_keras_leaves
             np.testing.assert_array_equal(net.layers[0].unused.numpy(), np.ones(7))
 
 
-def test_on_two_collective_replicas_sharded_and_unsharded_agree_bit_for_bit():
-    """2 in-process replicas on MirroredStrategy's collective ops (the all-to-all reduce-scatter and the
-    all-gather of equal parts): a + b in either order, so Adam's weights are the same bits."""
+def agree_bit_for_bit() -> None:
     runs = [sharded_fit(2, OPTIMIZERS["adam"], stage, collective=True)[0] for stage in (0, 1, 2)]
     for net in runs[1:]:
         close(net.get_weights(), runs[0].get_weights(), 0)
     close(runs[0].get_weights(), keras_weights(OPTIMIZERS["adam"]), 1e-5)
+
+
+def test_on_two_collective_replicas_sharded_and_unsharded_agree_bit_for_bit():
+    """2 replicas on MirroredStrategy's collective ops (the all-to-all reduce-scatter and the all-gather of equal
+    parts): a + b in either order, so Adam's weights are the same bits. In a fresh process: an earlier collective
+    strategy of the same process (another test's, under pytest-xdist) took TensorFlow's instance keys first."""
+    from tests.conftest import subprocess_env
+    code = "import tests.conftest; from tests.test_zero import agree_bit_for_bit; agree_bit_for_bit()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def test_gradients_that_travel_in_bfloat16_are_reduced_as_unsharded_then_sliced():
