@@ -129,6 +129,23 @@ def test_a_variable_cut_between_replicas_keeps_its_per_variable_rules():
             close(net.get_weights(), expected, 1e-5)
 
 
+def test_a_short_last_batch_with_replicas_that_hold_no_example_trains_as_keras():
+    """230 examples, batch 12: the last batch holds 2, so on 4 replicas two parts hold none. At stage 2 each
+    bucket's gradient is reduce-scattered as the backward pass makes it (`zero.taps`): an empty part must add
+    nothing there (its mean loss is 0/0), before its gradient joins the sum."""
+    x, y = data()
+    reference = model(OPTIMIZERS["adam"])
+    reference.fit(x[:230], y[:230], batch_size=BATCH, shuffle=False, verbose=0)
+    for replicas, stage in ((4, 2), (2, 2), (4, 1)):
+        strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=replicas, precision="float32", **MIRRORED)
+        with strategy.scope():
+            net = model(OPTIMIZERS["adam"])
+        result = train(net, x[:230], y[:230], batch_size=BATCH, shuffle=False, verbose=0, zero_stage=stage,
+                       export=())
+        assert result.steps == 20
+        close(net.get_weights(), reference.get_weights(), 1e-5)
+
+
 class _HalfUsed(keras.layers.Layer):
     """A layer with a weight its call never reads (no gradient: Keras' optimizer leaves it alone)."""
     def build(self, shape):

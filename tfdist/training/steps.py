@@ -69,6 +69,17 @@ def _add_grads(a: Any, b: Any) -> Any:
     return a + b
 
 
+def _after(grads: list, data: Any) -> Any:
+    """`data`, read only once `grads` exist: a micro-batch's forward pass waits for the previous ones'
+    gradients (summed, or at stage 2 reduce-scattered), so one micro-batch's activations and whole gradient
+    exist at a time. Without it the executor may run the micro-batches side by side (nothing else orders
+    them), and every one's gradient waits for its collective at once: at stage 2 on 2 replicas with 2
+    micro-batches the step's allocator peak was 448 MiB over its start, against 304 at stage 1."""
+    done = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+    with tf.control_dependencies(done):
+        return inputs_lib.map_present(tf.identity, data)
+
+
 class StepFunctions:
     """The compiled training and evaluation executions for one model under one backend."""
 
@@ -289,6 +300,8 @@ class StepFunctions:
         reduce_each = self.zero is not None and self.zero.stage >= 2 and self.accum > 1
         present: list[int] = []
         for m, micro in enumerate(self._micro_batches(data)):
+            if grads is not None:  # One micro-batch at a time (below).
+                micro = _after(grads, micro)
             x, y, sample_weight = _unpack(micro)
             g, d, _, b = self._forward_backward(x, y, sample_weight, total)
             present = [i for i, v in enumerate(g) if v is not None]
