@@ -7,11 +7,13 @@ within 1e-4 of undisturbed runs on 3 and on 2 replicas (float32, plain SGD:
 the global batch and data order do not depend on the worker count).
 """
 
+import fcntl
 import io
 import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -182,23 +184,52 @@ SGD = ["--precision=float32", "--global_batch_size=48", "--epochs=1", "--optimiz
        "--steps_per_execution=2", "--checkpoint_every_steps=10", "--max_steps=40"]
 
 
-def reference(tmp_path, replicas):
-    return subprocess.Popen([*TRAIN, "--strategy=mirrored", f"--num_cpu_replicas={replicas}", *SGD,
-                             f"--workdir={tmp_path / f'r{replicas}'}"], cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+class References:
+    """The undisturbed runs of the SGD job on 3 and on 2 mirrored replicas, made once per pytest run for every
+    test that compares a shrunk job with them (this module's, and the sharded one in
+    tests/test_zero_checkpoint.py), across xdist workers: the first to ask starts both, which then run meanwhile;
+    `weights` waits for a run's exit status file."""
+
+    def __init__(self, tmp_path_factory):
+        base = tmp_path_factory.getbasetemp()
+        self.root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "elastic_references"
+        self.processes = []
+        with open(f"{self.root}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not self.root.exists():
+                self.root.mkdir()
+                self.processes = [self._start(replicas) for replicas in (3, 2)]
+
+    def _start(self, replicas):
+        run = self.root / f"r{replicas}"
+        command = [*TRAIN, "--strategy=mirrored", f"--num_cpu_replicas={replicas}", *SGD, f"--workdir={run}"]
+        with open(f"{run}.log", "w") as log:  # The status file appears whole (mv), once the run has ended.
+            return subprocess.Popen(["sh", "-c", f'"$@"; echo $? > {run}.tmp && mv {run}.tmp {run}.rc', "sh",
+                                     *command], cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def weights(self, replicas, timeout=400):
+        """The final weights of the run on `replicas` replicas, once it has ended."""
+        run, deadline = self.root / f"r{replicas}", time.time() + timeout
+        while not os.path.exists(f"{run}.rc"):
+            assert time.time() < deadline, f"The undisturbed run on {replicas} replicas did not end in {timeout} s."
+            time.sleep(0.2)
+        with open(f"{run}.rc") as status, open(f"{run}.log") as log:
+            assert status.read().strip() == "0", log.read()[-3000:]
+        return load_weights(str(run / "model.keras"))
 
 
-@pytest.mark.jobs
-def test_a_worker_killed_mid_epoch_shrinks_the_job_to_the_same_weights(tmp_path):
-    workdir = tmp_path / "w"
-    references = [reference(tmp_path, replicas) for replicas in (3, 2)]  # Undisturbed, meanwhile.
-    job = Job(tmp_path, ["--strategy=multi_worker_mirrored", *SGD, f"--workdir={workdir}"], num_workers=3,
-              launch_args=["--min_workers=2", "--max_restarts=2", "--restart_backoff_s=0.5", "--grace_s=5"])
-    job.kill_after_first_checkpoint("worker:2")
+@pytest.fixture(scope="session")
+def elastic_references(tmp_path_factory):
+    references = References(tmp_path_factory)
+    yield references
+    for process in references.processes:  # Ended by now, unless the test that started them failed early.
+        process.wait(timeout=400)
+
+
+def assert_shrunk_to_the_same_weights(job, workdir, references):
+    """`job` lost worker:2 after its first checkpoint, went on with 2 workers from that checkpoint, and ended
+    within 1e-4 of the undisturbed runs on 3 and on 2 replicas. Returns the step it resumed from."""
     assert job.wait(timeout=400) == 0, job.output[-4000:]
-    for process in references:
-        output = process.communicate(timeout=400)[0]
-        assert process.returncode == 0, output[-3000:]
     assert ("tfdist-launch: elastic: worker:2 was killed by SIGKILL; slot 2 is dropped after 1 failure(s) "
             "(--blacklist_after=1); restart 1 of 2: relaunching on 2 worker(s)") in job.output, job.output[-4000:]
     metrics = json.loads((workdir / "metrics.json").read_text())
@@ -208,7 +239,23 @@ def test_a_worker_killed_mid_epoch_shrinks_the_job_to_the_same_weights(tmp_path)
     assert [(m["step"], m["num_workers"], m["num_replicas"]) for m in membership] == [(0, 3, 3), (resumed, 2, 2)]
     shrunk = load_weights(str(workdir / "model.keras"))
     for replicas in (3, 2):
-        undisturbed = load_weights(str(tmp_path / f"r{replicas}" / "model.keras"))
+        undisturbed = references.weights(replicas)
         difference = max(float(np.max(np.abs(a - b))) for a, b in zip(shrunk, undisturbed))
         print(f"max |shrunk 3->2 workers - {replicas} replicas| = {difference:.3g}")
         assert difference <= 1e-4
+    return resumed
+
+
+def shrinking_job(tmp_path, *train_args):
+    """The SGD run (and `train_args`) as a 3-worker job that may shrink to 2, worker:2 SIGKILLed once the first
+    checkpoint is saved."""
+    job = Job(tmp_path, ["--strategy=multi_worker_mirrored", *SGD, *train_args, f"--workdir={tmp_path / 'w'}"],
+              num_workers=3, launch_args=["--min_workers=2", "--max_restarts=2", "--restart_backoff_s=0.5",
+                                          "--grace_s=5"])
+    job.kill_after_first_checkpoint("worker:2")
+    return job
+
+
+@pytest.mark.jobs
+def test_a_worker_killed_mid_epoch_shrinks_the_job_to_the_same_weights(tmp_path, elastic_references):
+    assert_shrunk_to_the_same_weights(shrinking_job(tmp_path), tmp_path / "w", elastic_references)

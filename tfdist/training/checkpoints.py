@@ -35,6 +35,15 @@ def unreadable_checkpoint(path: str) -> Optional[str]:
     return None
 
 
+def unreadable_shards(path: str) -> Optional[str]:
+    """Why the sharded optimizer state beside checkpoint `path` (``zero-STEP``) does not read back whole, or
+    None (whole, or none: an unsharded run)."""
+    from tfdist.training.zero import checkpoint as shards
+
+    step = re.sub(r".*ckpt-", "", path)
+    return shards.unreadable(os.path.dirname(path), int(step)) if step.isdigit() else None
+
+
 class SeedStates(tf.__internal__.tracking.AutoTrackable):
     """The state variables of the model's `keras.random.SeedGenerator`s, as one checkpoint child.
 
@@ -237,8 +246,9 @@ def readable(rundir: Any) -> Optional[str]:
     """The newest checkpoint that reads back whole (None when there is none at all).
 
     A damaged one (truncated by a full disk or a killed copy, its index
-    missing, a checksum mismatch) is skipped with one log line naming it and
-    why. Every process of a job reads the same shared files in the same
+    missing, a checksum mismatch; or its sharded optimizer state, zero-STEP,
+    lacking a replica's file or damaged) is skipped with one log line naming
+    it and why. Every process of a job reads the same shared files in the same
     order, so all pick the same checkpoint (the loop's agreement check
     compares the restored steps). When none reads back whole: a `UserError`
     naming each.
@@ -246,7 +256,7 @@ def readable(rundir: Any) -> Optional[str]:
     paths = recorded(rundir)
     skipped: list[str] = []
     for path in paths:
-        why = unreadable_checkpoint(path)
+        why = unreadable_checkpoint(path) or unreadable_shards(path)
         if why is None:
             if skipped:
                 logging.warning("Skipped damaged checkpoint%s %s in %s; resuming from %s.",

@@ -4,29 +4,32 @@ Beside ``checkpoints/ckpt-STEP`` every process writes ``checkpoints/zero-STEP/re
 replicas (a TensorFlow checkpoint bundle, `tf.raw_ops.SaveV2`). Each slot of each shard is saved as the pieces
 of the variables it holds: ``var{i}_{slot}/{start}`` is elements ``[start, start + length)`` of variable i's
 flattened slot, and ``var{i}/shape`` its shape; state that belongs to no variable (Nadam's running product) is
-``global_{k}``, a loss scale's ``loss_scale.*``. A restore assembles each owned piece from whichever saved
-pieces overlap it, so neither the replica count nor the bucket layout needs to match; a model of another shape,
-a missing piece or a missing replica's file is refused with a `UserError`.
+``global_{k}``, a loss scale's ``loss_scale.*``, and ``replica`` the file's replica index and count (so an
+optimizer without state writes its files too). A restore assembles each owned piece from whichever saved pieces
+overlap it, so neither the replica count nor the bucket layout needs to match; a model of another shape, a
+missing piece or a missing replica's file is refused with a `UserError`.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import UserError
+from tfdist.training.workdir import cause
 
 SHARD_DIR = "zero-{step}"
 SHARD_FILE = "replica-{replica}-of-{replicas}"
 
 
 def _pieces(sharded: Any, shard: Any) -> dict[str, tf.Tensor]:
-    """What one replica's file holds: its state by variable piece, shapes, global state and loss scale."""
-    out: dict[str, tf.Tensor] = {}
+    """What one replica's file holds: its state by variable piece, shapes, global state and loss scale, and
+    ``replica`` (its index and the replica count: plain SGD has no state, and SaveV2 needs a tensor)."""
+    out: dict[str, tf.Tensor] = {"replica": tf.constant([shard.replica, sharded.backend.num_replicas], tf.int64)}
     for key, variable in shard.slots().items():
         match = re.fullmatch(r"b(\d+)_(.+)", key)
         if not match:
@@ -63,7 +66,9 @@ def save(sharded: Any, directory: str, step: int) -> None:
 
 
 def _readers(where: str, step: int) -> list[Any]:
-    files = sorted({f.split(".")[0] for f in tf.io.gfile.listdir(where)}) if tf.io.gfile.exists(where) else []
+    # A replica's file is there once its index is (written last; a killed save leaves its data, or temporaries).
+    files = sorted(f[:-len(".index")] for f in tf.io.gfile.listdir(where) if f.endswith(".index")) \
+        if tf.io.gfile.exists(where) else []
     counts = {re.sub(r".*-of-", "", f) for f in files}
     if len(counts) == 1:
         n = int(counts.pop())
@@ -74,6 +79,24 @@ def _readers(where: str, step: int) -> list[Any]:
                     "is missing or incomplete (every replica's file is needed). Was the run written "
                     "without zero_stage? Resume it with the zero_stage it was written with, or start a "
                     "new run with a new workdir.")
+
+
+def unreadable(directory: str, step: int) -> Optional[str]:
+    """Why the sharded state of a step (``directory/zero-{step}``) does not read back whole: a replica's file is
+    missing, or a tensor does not read (truncated, a checksum mismatch). None when it reads whole, or when there
+    is none (an unsharded run's checkpoint)."""
+    where = os.path.join(directory, SHARD_DIR.format(step=step))
+    if not tf.io.gfile.exists(where):
+        return None
+    try:
+        for reader in _readers(where, step):
+            for key in sorted(reader.get_variable_to_shape_map()):
+                reader.get_tensor(key)
+    except UserError:
+        return f"{SHARD_DIR.format(step=step)} lacks a replica's file"
+    except (tf.errors.OpError, IndexError, ValueError, OSError, RuntimeError) as e:
+        return f"{SHARD_DIR.format(step=step)}: {cause(e)}"
+    return None
 
 
 def restore(sharded: Any, directory: str, step: int) -> None:
