@@ -3,6 +3,11 @@ fit, each layer's gathered just before it runs and again in its backward pass, e
 (bit for bit on 2 collective replicas) and against Keras' own one-device fit (1e-5); the user's model left as
 it was on every exit path."""
 
+import functools
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -28,10 +33,25 @@ def mlp(optimizer):
     return net
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(None)
 def strategy():
     """2 replicas on MirroredStrategy's collective ops (the all-gather of equal parts, the all-to-all
-    reduce-scatter)."""
+    reduce-scatter), one for the process: a new collective strategy counts TensorFlow's instance keys from 100
+    again, and a key an earlier one used for another shape aborts its collectives."""
     return tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32")
+
+
+def fresh(body, *args):
+    """Runs `body(*args)` (a function of this module) in a fresh process: this module's collective strategy is
+    the process's first (another test's, under pytest-xdist, may have taken the instance keys)."""
+    from tests.conftest import subprocess_env
+    code = f"import tests.conftest; from tests.test_zero_stage3 import {body}; {body}(*{args!r})"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 
 def keras_fit(build, x, y, steps=20, **kwargs):
@@ -74,8 +94,7 @@ def assert_left_alone(net):
     assert all("call" not in layer.__dict__ for layer in net._flatten_layers())
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
+def _an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
     x, y = data()
     build = lambda: mlp(OPTIMIZERS[name])  # noqa: E731
     expected = keras_fit(build, x, y)
@@ -96,7 +115,7 @@ def test_an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
     assert all(np.size(tf_variable(p).read_value()) == 0 for s in sharded.shards.values() for p in s.params)
 
 
-def test_the_step_gathers_each_layer_and_reduce_scatters_its_gradient():
+def _the_step_gathers_each_layer_and_reduce_scatters_its_gradient():
     """The traced step: one all-gather a layer in the forward pass and one again in the backward pass (the
     recomputation), one all-to-all (the reduce-scatter) a layer, and no all-reduce of the weights' gradient."""
     x, y = data()
@@ -117,8 +136,8 @@ def test_the_step_gathers_each_layer_and_reduce_scatters_its_gradient():
     assert calls == {"gather": 3 * 2 * 2, "rs": 3 * 2}
 
 
-@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_a_fit_that_stops_midway_leaves_the_model_whole_with_its_weights(error):
+def _a_fit_that_stops_midway_leaves_the_model_whole_with_its_weights(error):
+    error = {"RuntimeError": RuntimeError, "KeyboardInterrupt": KeyboardInterrupt}[error]
     x, y = data()
     build = lambda: mlp(OPTIMIZERS["adam"])  # noqa: E731
     stopped = Watch(raise_at=4, error=error)
@@ -140,7 +159,7 @@ def test_a_fit_that_stops_midway_leaves_the_model_whole_with_its_weights(error):
     assert more.seen == [[[int(np.prod(v.shape))] * 2 for v in net.trainable_variables]]
 
 
-def test_what_stage_3_cannot_gather_is_refused_before_any_step():
+def _what_stage_3_cannot_gather_is_refused_before_any_step():
     x, y = data()
 
     def regularized():
@@ -156,3 +175,175 @@ def test_what_stage_3_cannot_gather_is_refused_before_any_step():
             net = mlp(OPTIMIZERS["adam"])
         with pytest.raises(UserError, match="collective ops"):
             train(net, x, y, batch_size=BATCH, verbose=0, strategy=s, zero_stage=3, export=())
+
+
+# Non-trainable state under the recomputed backward pass -----------------------------------------------------
+def _batch_norm_statistics_are_updated_once_as_unsharded_and_keras():
+    """A CNN with BatchNormalization at top level and in a nested model: each norm layer is recomputed in the
+    backward pass, whose own statistics writes are dropped (written twice, the moving statistics would move
+    twice as far). Per-replica statistics: as unsharded, bit for bit; synchronized: as Keras (1e-5)."""
+    from tests.batchnorm_model import TRAIN, X, Y, cnn
+
+    def fit(stage, **kwargs):
+        s = strategy()
+        with s.scope():
+            net = cnn()
+        train(net, X[TRAIN], Y[TRAIN], batch_size=8, shuffle=False, verbose=0, strategy=s, zero_stage=stage,
+              export=(), **kwargs)
+        return net
+    reference = cnn()
+    reference.fit(X[TRAIN], Y[TRAIN], batch_size=8, shuffle=False, verbose=0)
+    for kwargs in ({}, {"sync_batchnorm": True}):
+        unsharded, sharded = fit(0, **kwargs), fit(3, **kwargs)
+        assert len(sharded.non_trainable_weights) == 4  # Two norm layers' moving mean and variance.
+        for a, b in zip(sharded.get_weights(), unsharded.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        assert_left_alone(sharded)
+    for a, b in zip(sharded.get_weights(), reference.get_weights()):  # Moving statistics included.
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+class Block(keras.layers.Layer):
+    """Dense, Dropout, Dense in one layer: stage 3 gathers and recomputes them together, Dropout included."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(16, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(3))
+        self.drop = keras.layers.Dropout(0.5, seed=7)
+        self.out = keras.layers.Dense(8, kernel_initializer=keras.initializers.GlorotUniform(4))
+
+    def call(self, x, training=None):
+        return x + self.out(self.drop(self.inner(x), training=training))
+
+
+def dropout_model():
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((8,)), Block(), keras.layers.Dropout(0.25, seed=5), keras.layers.Dense(3)])
+    net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return net
+
+
+def _dropout_in_a_recomputed_layer_draws_the_forward_passes_mask():
+    """A redrawn mask in the recomputation would give gradients of another network than the loss's (and move
+    the seed generator twice): the weights would differ from the unsharded run's."""
+    x, y = data()
+    unsharded, _ = tfdist_fit(dropout_model, x, y, 0)
+    sharded, _ = tfdist_fit(dropout_model, x, y, 3)
+    assert [b.indices for b in zero._SHARDED[sharded.optimizer].layout] == [(0, 1, 2, 3), (4, 5)]
+    for a, b in zip(sharded.get_weights(), unsharded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    seeds = [v for v in sharded.variables if "seed_generator" in v.path]
+    assert seeds and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                         zip(seeds, [v for v in unsharded.variables if "seed_generator" in v.path]))
+    assert_left_alone(sharded)
+
+
+
+class TwiceCalled(keras.Model):
+    """A subclassed model that calls one Dense layer twice (a shared layer no graph shows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.square = keras.layers.Dense(8)
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.square(self.square(x)))
+
+
+class TiedOutput(keras.Model):
+    """A subclassed model reading its first layer's kernel in its own call (tied input and output weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = keras.layers.Dense(8, use_bias=False)
+        self.bias = keras.layers.Dense(8)
+
+    def call(self, x):
+        return keras.ops.matmul(self.bias(self.inner(x)), keras.ops.transpose(self.inner.kernel))[:, :3]
+
+
+class Holder(keras.layers.Layer):
+    """A layer that holds another layer's Dense (its weights are then held by both)."""
+
+    def __init__(self, dense, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class CustomStep(keras.Sequential):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_alone():
+    x, y = data()
+    inputs = keras.Input((8,))
+    shared = keras.layers.Dense(8)
+    dense = keras.layers.Dense(8)
+
+    def compiled(build):
+        def make():
+            keras.utils.set_random_seed(1)
+            net = build()
+            net.compile(optimizer="sgd", loss="mse")
+            return net
+        return make
+    cases = [
+        (compiled(lambda: keras.Model(inputs, keras.layers.Dense(3)(shared(shared(inputs))))),
+         r"layer 'dense\w*': the model calls it 2 times \(a shared layer\)"),
+        (compiled(lambda: TwiceCalled()), r"calls it more than once in a forward pass \(a shared layer\)"),
+        (compiled(lambda: TiedOutput()), r"TiedOutput.call reads it outside the layer that holds it"),
+        (compiled(lambda: keras.Sequential([keras.Input((8,)), dense, Holder(dense), keras.layers.Dense(3)])),
+         r"both hold it \(a tied or shared weight\)"),
+        (compiled(lambda: CustomStep([keras.Input((8,)), keras.layers.Dense(3)])),
+         r"custom train_step calls its optimizer itself"),
+    ]
+    for build, match in cases:
+        s = strategy()
+        with s.scope():
+            net = build()
+            net(x[:2])  # Built (a subclassed model's layers too).
+        before = net.get_weights()
+        with pytest.raises(UserError, match=match) as raised:
+            train(net, x, y, batch_size=BATCH, verbose=0, strategy=s, zero_stage=3, export=())
+        assert "\n" not in str(raised.value)  # One paragraph, as raised (not as Keras rewrites a call's error).
+        assert all(v.shape == w.shape for v, w in zip(net.trainable_variables, before))
+        assert_left_alone(net)
+        for a, b in zip(net.get_weights(), before):
+            np.testing.assert_array_equal(a, b)
+        assert int(np.asarray(net.optimizer.iterations)) == 0
+
+
+# Each in a fresh process (`fresh`) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
+    fresh("_an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras", name)
+
+
+def test_the_step_gathers_each_layer_and_reduce_scatters_its_gradient():
+    fresh("_the_step_gathers_each_layer_and_reduce_scatters_its_gradient")
+
+
+@pytest.mark.parametrize("error", ["RuntimeError", "KeyboardInterrupt"])
+def test_a_fit_that_stops_midway_leaves_the_model_whole_with_its_weights(error):
+    fresh("_a_fit_that_stops_midway_leaves_the_model_whole_with_its_weights", error)
+
+
+def test_what_stage_3_cannot_gather_is_refused_before_any_step():
+    fresh("_what_stage_3_cannot_gather_is_refused_before_any_step")
+
+
+def test_batch_norm_statistics_are_updated_once_as_unsharded_and_keras():
+    fresh("_batch_norm_statistics_are_updated_once_as_unsharded_and_keras")
+
+
+def test_dropout_in_a_recomputed_layer_draws_the_forward_passes_mask():
+    fresh("_dropout_in_a_recomputed_layer_draws_the_forward_passes_mask")
+
+
+def test_tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_alone():
+    fresh("_tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_alone")

@@ -20,6 +20,7 @@ refused when the step is traced (`UserError`), as is a layer called twice in one
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import keras
@@ -74,21 +75,33 @@ def check(model: keras.Model) -> None:
                             f"holds it. Drop the {what}, or use zero_stage=2.")
 
 
+class _Refusal(UserError):
+    """A refusal raised while the step is traced (Keras and autograph rewrite it on its way out:
+    `stage3.sharded_weights` raises it again as it was)."""
+
+
 class _Unmapped:
     """What a unit's scope maps another unit's weight to: converting it (a read) is refused."""
 
-    def __init__(self, variable: Any, reader: str):
-        self.variable, self.reader = variable, reader
+    def __init__(self, variable: Any, reader: str, local: Any):
+        self.variable, self.reader, self.local = variable, reader, local
         self.shape, self.dtype = variable.shape, variable.dtype
 
     def __tf_tensor__(self, dtype: Any = None, name: Any = None) -> Any:
-        raise UserError(f"zero_stage=3 cannot shard {self.variable.path}: {self.reader} reads it outside the "
+        raise _refuse(self.local, f"zero_stage=3 cannot shard {self.variable.path}: {self.reader} reads it outside the "
                         "layer that holds it (a tied weight, or a weight read in a model's own call), and stage 3 "
                         "gathers each weight only for its own layer's call. Read it in its own layer, or use "
                         "zero_stage=2.")
 
     def __getattr__(self, name: str) -> Any:  # Anything else done with it is a read too.
+        if name.startswith("__"):
+            raise AttributeError(name)
         self.__tf_tensor__()
+
+
+def _refuse(local: Any, message: str) -> UserError:
+    local.refusal = local.gathering.refusal = message
+    return _Refusal(message)
 
 
 class _UnitScope(StatelessScope):
@@ -129,8 +142,11 @@ class Gathering:
 
     def __init__(self, sharded: Any, model: keras.Model):
         self.sharded, self.model = sharded, model
-        self.active = False
-        self.calls: dict = {}  # id(unit) -> its calls in the forward pass being traced.
+        # Per replica thread (MirroredStrategy traces its replicas in threads, which hand over at each merge
+        # call): whether its training step's forward pass is being traced, and each unit's calls in it.
+        self.local = threading.local()
+        self.local.gathering = self
+        self.refusal = None  # A refusal raised while the step was traced (`stage3.sharded_weights` raises it).
         self.units = units(model)
         index = {id(v): i for i, v in enumerate(sharded.variables)}
         self.buckets = {}  # id(unit) -> the indices of its buckets.
@@ -153,15 +169,20 @@ class Gathering:
             pairs += list(zip(variables, values))
         return pairs
 
+    @property
+    def active(self) -> bool:
+        return getattr(self.local, "active", False)
+
     def replacement(self, unit: Any, original: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
             if not self.active:
                 return original(*args, **kwargs)
-            self.calls[id(unit)] = self.calls.get(id(unit), 0) + 1
-            if self.calls[id(unit)] > 1:
-                raise UserError(f"zero_stage=3 cannot shard layer {unit.name!r}: the model calls it more than "
-                                "once in a forward pass (a shared layer), and stage 3 gathers a layer's weights "
-                                "for one call. Use a layer per call, or zero_stage=2.")
+            calls = self.local.calls
+            calls[id(unit)] = calls.get(id(unit), 0) + 1
+            if calls[id(unit)] > 1:
+                raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: the model calls it "
+                              "more than once in a forward pass (a shared layer), and stage 3 gathers a layer's "
+                              "weights for one call. Use a layer per call, or zero_stage=2.")
             return self._run(unit, original, args, kwargs)
         return call
 
@@ -171,7 +192,8 @@ class Gathering:
         outer = get_stateless_scope()
         entry = dict(outer.state_mapping) if outer is not None else {}
         for v in self.sharded.variables:  # Every other unit's weights: a read is refused (`_Unmapped`).
-            entry.setdefault(id(v), _Unmapped(v, f"layer {unit.name!r}"))
+            if isinstance(entry.get(id(v), self), (_Unmapped, Gathering)):
+                entry[id(v)] = _Unmapped(v, f"layer {unit.name!r}", self.local)
         runs = []
 
         def forward(*tensors: tf.Tensor) -> Any:
@@ -187,9 +209,9 @@ class Gathering:
             with scope:
                 out = original(*a, **kw)
             if scope.losses:
-                raise UserError(f"zero_stage=3 cannot shard layer {unit.name!r}: its call adds a loss "
-                                "(add_loss), whose gradient would have to pass the recomputation of the layer. "
-                                "Add it from the model's compile() loss, or use zero_stage=2.")
+                raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: its call adds a loss "
+                              "(add_loss), whose gradient would have to pass the recomputation of the layer. "
+                              "Add it from the model's compile() loss, or use zero_stage=2.")
             if first:  # The forward pass's writes go to the step's scope; a recomputation's are dropped.
                 for key, variable in scope.updated.items():
                     value = scope.state_mapping[key]
@@ -204,15 +226,31 @@ class Gathering:
             return forward()
         return tf.recompute_grad(forward)(*tensors)  # Graph-mode custom gradients take positional tensors.
 
+    def guarded(self, original: Callable) -> Callable:
+        """The model's own call: a weight it reads outside its layers' calls is refused (`_Unmapped`)."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            scope = get_stateless_scope()
+            if not self.active or scope is None:
+                return original(*args, **kwargs)
+            added = [id(v) for v in self.sharded.variables if id(v) not in scope.state_mapping]
+            for v in self.sharded.variables:
+                scope.state_mapping.setdefault(id(v), _Unmapped(v, f"{type(self.model).__name__}.call", self.local))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                for key in added:
+                    scope.state_mapping.pop(key, None)
+        return call
+
     def forward_backward(self, original: Callable) -> Callable:
         """The step's forward and backward pass (`StepFunctions._forward_backward`), traced with the units'
         calls gathering."""
         def run(*args: Any, **kwargs: Any) -> Any:
-            self.active, self.calls = True, {}
+            self.local.active, self.local.calls, self.local.gathering = True, {}, self
             try:
                 return original(*args, **kwargs)
             finally:
-                self.active = False
+                self.local.active = False
         return run
 
 
@@ -225,6 +263,8 @@ def wrapped(gathering: Gathering, functions: Any) -> Iterator[None]:
             own = unit.__dict__.get("call")
             replaced.append((unit, own))
             unit.call = gathering.replacement(unit, unit.call)
+        replaced.append((gathering.model, gathering.model.__dict__.get("call")))
+        gathering.model.call = gathering.guarded(gathering.model.call)
         own = functions.__dict__.get("_forward_backward")
         replaced.append((functions, own))
         functions._forward_backward = gathering.forward_backward(functions._forward_backward)

@@ -23,6 +23,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops
 
 from tfdist.distribute.backend import tf_variable
+from tfdist.errors import UserError
 from tfdist.training.zero import gathering
 from tfdist.training.zero.layout import Bucket, variable_size
 from tfdist.training.zero.sharded import ShardedOptimizer, _component
@@ -145,7 +146,12 @@ def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, fun
     sharded.free_whole()
     try:
         with gathering.wrapped(gather, functions):
-            yield
+            try:
+                yield
+            except Exception:
+                if gather.refusal is not None:  # As it was raised, not as Keras and autograph rewrote it.
+                    raise UserError(gather.refusal) from None
+                raise
     finally:
         try:
             sharded.gather_whole()
