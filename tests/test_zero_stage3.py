@@ -75,16 +75,35 @@ def buffers(net):
 
 
 class Watch(keras.callbacks.Callback):
-    """Records the replicas' buffers of the trainable variables at each batch's end (inside the fit)."""
+    """Records at each batch's end (inside the fit) what the callback sees: the replicas' buffers of the
+    trainable variables, and the weights; and what the step left: the buffers just before stage 3 gathers
+    the weights whole for the callback (`stage3.whole_weights`)."""
 
     def __init__(self, raise_at=None, error=RuntimeError):
         super().__init__()
-        self.seen, self.raise_at, self.error = [], raise_at, error
+        self.seen, self.weights, self.left, self.raise_at, self.error = [], [], [], raise_at, error
+
+    def on_train_begin(self, logs=None):
+        from tfdist.training.zero import stage3
+        sharded = zero._SHARDED.get(self.model.optimizer)
+        if isinstance(sharded, stage3.Stage3Optimizer):
+            gather, net = sharded.gather_whole, self.model
+
+            def spied():
+                self.left.append(buffers(net))
+                gather()
+            sharded.gather_whole = spied
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen.append(buffers(self.model))
+        self.weights.append(self.model.get_weights())
         if batch == self.raise_at:
             raise self.error("stop here")
+
+    def on_train_end(self, logs=None):
+        sharded = zero._SHARDED.get(self.model.optimizer)
+        if sharded is not None:
+            sharded.__dict__.pop("gather_whole", None)
 
 
 def assert_left_alone(net):
@@ -98,7 +117,8 @@ def _an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
     x, y = data()
     build = lambda: mlp(OPTIMIZERS[name])  # noqa: E731
     expected = keras_fit(build, x, y)
-    unsharded, _ = tfdist_fit(build, x, y, 0)
+    seen = Watch()
+    unsharded, _ = tfdist_fit(build, x, y, 0, callbacks=[seen])
     watch = Watch()
     net, result = tfdist_fit(build, x, y, 3, callbacks=[watch])
     assert result.steps == 20 and int(np.asarray(net.optimizer.iterations)) == 20
@@ -106,8 +126,13 @@ def _an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(net.get_weights(), expected):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    # During the fit no replica held a whole trainable variable: each held its 1/2 of each layer's flat shard.
-    assert len(watch.seen) == 20 and all(seen == [[0, 0]] * 6 for seen in watch.seen)
+    # Between steps no replica held a whole trainable variable: each held its 1/2 of each layer's flat shard
+    # (then the weights were gathered for the callback, which saw them whole: the unsharded run's, each batch).
+    assert len(watch.left) > 20 and all(left == [[0, 0]] * 6 for left in watch.left)  # 20 batch ends, epoch ends.
+    assert watch.seen == seen.seen
+    for got, want in zip(watch.weights, seen.weights):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
     sharded = zero._SHARDED[net.optimizer]
     assert [b.indices for b in sharded.layout] == [(0, 1), (2, 3), (4, 5)]  # One bucket a layer.
     assert_left_alone(net)
@@ -148,7 +173,7 @@ def _a_fit_that_stops_midway_leaves_the_model_whole_with_its_weights(error):
     with pytest.raises(error):
         tfdist_fit(build, x, y, 3, callbacks=[watch])
     net = watch.model
-    assert watch.seen[-1] == [[0, 0]] * 6  # Sharded when it stopped.
+    assert watch.left[-1] == [[0, 0]] * 6  # Sharded when it stopped.
     assert_left_alone(net)
     for a, b in zip(net.get_weights(), unsharded.get_weights()):  # The 5 steps it made.
         np.testing.assert_array_equal(a, b)
@@ -318,6 +343,49 @@ def _tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_al
         assert int(np.asarray(net.optimizer.iterations)) == 0
 
 
+
+# Whole weights for what reads the model between steps, and checkpoints -------------------------------------
+def _validation_evaluate_and_predict_see_the_whole_trained_weights():
+    """2 epochs validating on held-out data (Keras' evaluate inside the fit reads the whole weights, gathered
+    for it, then sharded again), then Keras' own evaluate and predict: all as the unsharded run's."""
+    x, y = data()
+    xv, yv = x[:36] * 0.5, y[:36]
+    build = lambda: mlp(OPTIMIZERS["adam"])  # noqa: E731
+    runs = [tfdist_fit(build, x, y, stage, epochs=2, validation_data=(xv, yv))[0] for stage in (0, 3)]
+    unsharded, sharded = runs
+    assert sharded.history.history["val_loss"] == unsharded.history.history["val_loss"]
+    assert len(set(sharded.history.history["val_loss"])) == 2
+    for a, b in zip(sharded.get_weights(), unsharded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert sharded.evaluate(xv, yv, verbose=0) == unsharded.evaluate(xv, yv, verbose=0)
+    np.testing.assert_array_equal(sharded.predict(xv, verbose=0), unsharded.predict(xv, verbose=0))
+    assert_left_alone(sharded)
+
+
+def _a_checkpoint_holds_the_whole_weights_and_the_shards_and_resumes_exactly(tmp_path):
+    """10 steps with checkpoints every 5 (AdamW with weight decay and global_clipnorm: the norm from the
+    replicas' partial sums), resumed at stage 3 and at stage 1 to step 20: the uninterrupted run's weights."""
+    import tensorflow as tf
+    from tests.zero_model import keras_weights, model
+    x, y = data()
+    expected = keras_weights()
+    whole, _ = tfdist_fit(model, x, y, 3)
+    first, _ = tfdist_fit(model, x, y, 3, max_steps=10, workdir=f"{tmp_path}/run", checkpoint_every_steps=5)
+    checkpoints = f"{tmp_path}/run/checkpoints"
+    assert sorted(p for p in os.listdir(checkpoints) if p.startswith("zero-")) == ["zero-10", "zero-5"]
+    saved = dict(tf.train.list_variables(tf.train.latest_checkpoint(checkpoints)))
+    kernels = [shape for name, shape in saved.items() if "kernel" in name and "optimizer" not in name]
+    assert sorted(map(tuple, kernels)) == [(8, 16), (12, 3), (16, 12)]  # Whole, not a freed buffer's [0].
+    for stage in (3, 1):
+        subprocess.run(["cp", "-r", f"{tmp_path}/run", f"{tmp_path}/run{stage}"], check=True)
+        net, result = tfdist_fit(model, x, y, stage, workdir=f"{tmp_path}/run{stage}")
+        assert (result.resumed_from, result.steps) == (10, 20)
+        for a, b, c in zip(net.get_weights(), whole.get_weights(), expected):
+            np.testing.assert_allclose(a, b, atol=0 if stage == 3 else 1e-6, rtol=0)
+            np.testing.assert_allclose(a, c, atol=1e-5, rtol=0)
+        assert_left_alone(net)
+
+
 # Each in a fresh process (`fresh`) ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
@@ -347,3 +415,11 @@ def test_dropout_in_a_recomputed_layer_draws_the_forward_passes_mask():
 
 def test_tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_alone():
     fresh("_tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_alone")
+
+
+def test_validation_evaluate_and_predict_see_the_whole_trained_weights():
+    fresh("_validation_evaluate_and_predict_see_the_whole_trained_weights")
+
+
+def test_a_checkpoint_holds_the_whole_weights_and_the_shards_and_resumes_exactly(tmp_path):
+    fresh("_a_checkpoint_holds_the_whole_weights_and_the_shards_and_resumes_exactly", str(tmp_path))

@@ -89,9 +89,9 @@ def train(model: keras.Model, x: Any = None, y: Any = None, **arguments: Any) ->
         # After the step functions: a custom step's optimizers are built when its step is first traced.
         backend.broadcast_initial_state(list(model.variables) + custom_steps.optimizer_variables(model))
         optimizer_state = zero.state_report(call.zero, backend)
-        with stage3.sharded_weights(call.zero, model, functions):  # Stage 3: the weights in shards meanwhile.
-            result = _controller(call, backend, plan, source, functions, checkpoints, rundir,
-                                 validation).run(start_step)
+        controller = _controller(call, backend, plan, source, functions, checkpoints, rundir, validation)
+        with stage3.sharded_weights(call.zero, model, functions, controller):  # Stage 3: the weights in shards.
+            result = controller.run(start_step)
         result.optimizer_state = optimizer_state
         if call.zero is not None and call.zero.loss_scale:
             result.optimizer_state["loss_scale"] = call.zero.current_scale()

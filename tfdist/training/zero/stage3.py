@@ -35,6 +35,7 @@ class Stage3Optimizer(ShardedOptimizer):
     def __init__(self, model: keras.Model, backend: Any, stage: int):
         gathering.check(model)  # Built now: what stage 3 cannot gather, refused before any step.
         self.gathering: Optional[gathering.Gathering] = None
+        self.whole = False  # Inside `whole_weights`.
         super().__init__(model, backend, stage)
 
     def plan_layout(self, model: keras.Model) -> list:
@@ -135,9 +136,11 @@ class Stage3Optimizer(ShardedOptimizer):
 
 
 @contextlib.contextmanager
-def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, functions: Any) -> Iterator[None]:
+def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, functions: Any,
+                    controller: Any = None) -> Iterator[None]:
     """A stage-3 fit's weights in shards for the block (a no-op at other stages): the model's whole weights on
-    every exit path after it, trained."""
+    every exit path after it, trained. What reads the model between steps (`controller`'s validation, checkpoint
+    saves, and the hooks the user's callbacks define) runs with the weights whole (`whole_weights`)."""
     if not isinstance(sharded, Stage3Optimizer):
         yield
         return
@@ -145,7 +148,7 @@ def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, fun
     sharded.shard_in()
     sharded.free_whole()
     try:
-        with gathering.wrapped(gather, functions):
+        with gathering.wrapped(gather, functions), _readers_whole(sharded, controller):
             try:
                 yield
             except Exception:
@@ -162,14 +165,58 @@ def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, fun
 
 @contextlib.contextmanager
 def whole_weights(sharded: Optional[ShardedOptimizer]) -> Iterator[None]:
-    """The model's whole weights for the block, in the middle of a stage-3 fit (validation, callbacks,
-    checkpoints); shards again after it (what the block set the weights to is kept)."""
-    if not isinstance(sharded, Stage3Optimizer) or getattr(sharded, "gathering", None) is None:
+    """The model's whole weights for the block, in the middle of a stage-3 fit; shards again after it (what the
+    block set the weights to is kept)."""
+    if not isinstance(sharded, Stage3Optimizer) or sharded.gathering is None or sharded.whole:
         yield
         return
     sharded.gather_whole()
+    sharded.whole = True
     try:
         yield
     finally:
+        sharded.whole = False
         sharded.shard_in()
         sharded.free_whole()
+
+
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
+          "on_train_batch_end")
+
+
+def _with_whole_weights(sharded: Stage3Optimizer, method: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with whole_weights(sharded):
+            return method(*args, **kwargs)
+    return run
+
+
+@contextlib.contextmanager
+def _readers_whole(sharded: Stage3Optimizer, controller: Any) -> Iterator[None]:
+    """Validation, checkpoint saves and the user's callback hooks (those a callback defines: each costs a gather
+    of the weights and a copy back into the shards) wrapped in `whole_weights` for the block."""
+    replaced: list = []
+    if controller is not None:
+        callbacks = controller.callbacks
+        users = [c for c in callbacks.callbacks
+                 if not isinstance(c, (keras.callbacks.History, keras.callbacks.ProgbarLogger))]
+        targets = [(callbacks, name) for name in _HOOKS
+                   if any(getattr(type(c), name) is not getattr(keras.callbacks.Callback, name) for c in users)]
+        targets += [(controller.checkpoints, "save")]
+        if controller.validation is not None:
+            targets.append((controller.validation, "run"))
+        policy = getattr(controller, "checkpointing", None)
+        for obj, name in targets:
+            replaced.append((obj, name, obj.__dict__.get(name)))
+            setattr(obj, name, _with_whole_weights(sharded, getattr(obj, name)))
+        if policy is not None and hasattr(policy, "save"):  # The policy holds the bound save it was given.
+            replaced.append((policy, "save", policy.__dict__.get("save")))
+            policy.save = controller.checkpoints.save
+    try:
+        yield
+    finally:
+        for obj, name, own in reversed(replaced):
+            if own is None:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = own
