@@ -90,7 +90,8 @@ def train(model: keras.Model, x: Any = None, y: Any = None, **arguments: Any) ->
         backend.broadcast_initial_state(list(model.variables) + custom_steps.optimizer_variables(model))
         optimizer_state = zero.state_report(call.zero, backend)
         controller = _controller(call, backend, plan, source, functions, checkpoints, rundir, validation)
-        with stage3.sharded_weights(call.zero, model, functions, controller):  # Stage 3: the weights in shards.
+        # Stage 3: the weights in shards meanwhile.
+        with stage3.sharded_weights(call.zero, model, functions, controller, call.callbacks):
             result = controller.run(start_step)
         result.optimizer_state = optimizer_state
         if call.zero is not None and call.zero.loss_scale:

@@ -137,10 +137,10 @@ class Stage3Optimizer(ShardedOptimizer):
 
 @contextlib.contextmanager
 def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, functions: Any,
-                    controller: Any = None) -> Iterator[None]:
+                    controller: Any = None, callbacks: Any = ()) -> Iterator[None]:
     """A stage-3 fit's weights in shards for the block (a no-op at other stages): the model's whole weights on
     every exit path after it, trained. What reads the model between steps (`controller`'s validation, checkpoint
-    saves, and the hooks the user's callbacks define) runs with the weights whole (`whole_weights`)."""
+    saves, and the hooks the user's `callbacks` define) runs with the weights whole (`whole_weights`)."""
     if not isinstance(sharded, Stage3Optimizer):
         yield
         return
@@ -148,7 +148,7 @@ def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, fun
     sharded.shard_in()
     sharded.free_whole()
     try:
-        with gathering.wrapped(gather, functions), _readers_whole(sharded, controller):
+        with gathering.wrapped(gather, functions), _readers_whole(sharded, controller, callbacks):
             try:
                 yield
             except Exception:
@@ -192,16 +192,16 @@ def _with_whole_weights(sharded: Stage3Optimizer, method: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _readers_whole(sharded: Stage3Optimizer, controller: Any) -> Iterator[None]:
-    """Validation, checkpoint saves and the user's callback hooks (those a callback defines: each costs a gather
-    of the weights and a copy back into the shards) wrapped in `whole_weights` for the block."""
+def _readers_whole(sharded: Stage3Optimizer, controller: Any, users: Any) -> Iterator[None]:
+    """Validation, checkpoint saves and the hooks the user's callbacks define (each costs a gather of the
+    weights and a copy back into the shards) wrapped in `whole_weights` for the block. Decided from the user's
+    callbacks, alike on every task (the chief runs more of them; the gather is a collective)."""
     replaced: list = []
     if controller is not None:
         callbacks = controller.callbacks
-        users = [c for c in callbacks.callbacks
-                 if not isinstance(c, (keras.callbacks.History, keras.callbacks.ProgbarLogger))]
         targets = [(callbacks, name) for name in _HOOKS
-                   if any(getattr(type(c), name) is not getattr(keras.callbacks.Callback, name) for c in users)]
+                   if any(getattr(type(c), name) is not getattr(keras.callbacks.Callback, name)
+                          for c in users or ())]
         targets += [(controller.checkpoints, "save")]
         if controller.validation is not None:
             targets.append((controller.validation, "run"))
