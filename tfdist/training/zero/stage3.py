@@ -82,7 +82,8 @@ class Stage3Optimizer(ShardedOptimizer):
             with tf.device(device):
                 for k, bucket in enumerate(self.layout):
                     whole = [self._components(i)[local].read_value() for i in bucket.indices]
-                    tf_variable(shard.params[k]).assign(bucket.owned_part(replica, whole))
+                    # A copy: a slice may share the whole variable's buffer, which freeing it would then keep.
+                    tf_variable(shard.params[k]).assign(tf.raw_ops.DeepCopy(x=bucket.owned_part(replica, whole)))
 
     def free_whole(self) -> None:
         """Every local replica's buffer of every trainable variable emptied (the variables stay)."""
@@ -144,10 +145,15 @@ def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, fun
     if not isinstance(sharded, Stage3Optimizer):
         yield
         return
-    gather = sharded.gathering = gathering.Gathering(sharded, model)
-    sharded.shard_in()
-    sharded.free_whole()
+    gather = gathering.Gathering(sharded, model)
     try:
+        sharded.shard_in()
+    except BaseException:  # The model untouched: only the shards to empty.
+        sharded.empty_shards()
+        raise
+    sharded.gathering = gather
+    try:
+        sharded.free_whole()
         with gathering.wrapped(gather, functions), _readers_whole(sharded, controller, callbacks):
             try:
                 yield
@@ -202,7 +208,8 @@ def _readers_whole(sharded: Stage3Optimizer, controller: Any, users: Any) -> Ite
         targets = [(callbacks, name) for name in _HOOKS
                    if any(getattr(type(c), name) is not getattr(keras.callbacks.Callback, name)
                           for c in users or ())]
-        targets += [(controller.checkpoints, "save")]
+        if getattr(controller.checkpoints, "manager", None) is not None:  # Saves only where a run dir is.
+            targets.append((controller.checkpoints, "save"))
         if controller.validation is not None:
             targets.append((controller.validation, "run"))
         policy = getattr(controller, "checkpointing", None)
