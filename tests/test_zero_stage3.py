@@ -17,6 +17,7 @@ from tfdist.distribute.backend import tf_variable
 from tfdist.errors import UserError
 from tfdist.training import zero
 from tfdist.training.fitting import train
+from tests.test_horovod import horovodrun, needs_horovod
 from tests.zero_model import BATCH, data
 
 OPTIMIZERS = {
@@ -452,3 +453,17 @@ def test_two_workers_train_as_unsharded_and_as_keras(tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
         np.testing.assert_allclose(c, b, atol=1e-6, rtol=0)
         np.testing.assert_allclose(a, d, atol=1e-5, rtol=0)
+
+
+@needs_horovod
+def test_two_horovod_ranks_gather_and_train_as_keras(tmp_path):
+    """hvd.allgather of each layer's equal parts (forward and recomputation), hvd.reducescatter of its gradient,
+    two micro-batches: Keras' 20 steps."""
+    from tests.zero_model import keras_weights
+    result = horovodrun([sys.executable, os.path.join(REPO, "tests", "programs", "zero_job.py"), str(tmp_path),
+                         "horovod", "3", "20"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    tasks = [np.load(os.path.join(tmp_path, f"task{i}.npz")) for i in range(2)]
+    for a, b, c in zip(*[[t[f"arr_{k}"] for k in range(6)] for t in tasks], keras_weights()):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, atol=1e-5, rtol=0)
