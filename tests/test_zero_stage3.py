@@ -387,6 +387,56 @@ def _a_checkpoint_holds_the_whole_weights_and_the_shards_and_resumes_exactly(tmp
         assert_left_alone(net)
 
 
+
+class HalfUsed(keras.layers.Layer):
+    """A layer with a weight its call never reads (no gradient: Keras' optimizer leaves it alone, AdamW's decay
+    included)."""
+
+    def build(self, shape):
+        self.used = self.add_weight(shape=(shape[-1],), initializer="ones")
+        self.unused = self.add_weight(shape=(7,), initializer="ones")
+
+    def call(self, x):
+        return x * self.used
+
+
+def _optimizers_and_a_second_fit_train_as_keras():
+    """The optimizers stages 1 and 2 support, at stage 3 on 2 collective replicas (per-variable rules over a
+    layer's shard cut in two: AdamW's weight decay, clipnorm, global_clipnorm, Lamb's trust ratio; EMA's
+    averages put into the weights at the end; a loss scale's finite check), a weight without a gradient, and a
+    second fit going on from the first's sharded state: Keras' own fit (1e-5)."""
+    from tests.test_zero import OPTIMIZERS as ALL
+    from tests.zero_model import keras_weights, model
+    x, y = data()
+    cases = {**ALL, "lamb": lambda: keras.optimizers.Lamb(0.01),
+             "clipnorm": lambda: keras.optimizers.SGD(0.2, clipnorm=0.05)}
+    for name, make in sorted(cases.items()):
+        net, _ = tfdist_fit(lambda: model(make), x, y, 3)
+        for a, b in zip(net.get_weights(), keras_weights(make)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
+
+    def half_used():
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential([keras.Input((8,)), HalfUsed(), keras.layers.Dense(3)])
+        net.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.5), loss="mse")
+        return net
+    net, _ = tfdist_fit(half_used, x, y, 3)
+    for a, b in zip(net.get_weights(), keras_fit(half_used, x, y)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(net.get_weights()[1], np.ones(7))  # Never decayed.
+
+    reference = model(OPTIMIZERS["adam"])
+    s = strategy()
+    with s.scope():
+        twice = model(OPTIMIZERS["adam"])
+    for _ in range(2):  # The first 10 batches, twice: Adam's moments go on from the first fit's.
+        reference.fit(x[:10 * BATCH], y[:10 * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+        train(twice, x[:10 * BATCH], y[:10 * BATCH], batch_size=BATCH, shuffle=False, verbose=0, strategy=s,
+              zero_stage=3, export=())
+    for a, b in zip(twice.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
 # Each in a fresh process (`fresh`) ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
@@ -425,6 +475,10 @@ def test_validation_evaluate_and_predict_see_the_whole_trained_weights():
 def test_a_checkpoint_holds_the_whole_weights_and_the_shards_and_resumes_exactly(tmp_path):
     fresh("_a_checkpoint_holds_the_whole_weights_and_the_shards_and_resumes_exactly", str(tmp_path))
 
+
+
+def test_optimizers_and_a_second_fit_train_as_keras():
+    fresh("_optimizers_and_a_second_fit_train_as_keras")
 
 @pytest.mark.jobs
 def test_two_workers_train_as_unsharded_and_as_keras(tmp_path):

@@ -212,6 +212,9 @@ class Gathering:
                 raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: its call adds a loss "
                               "(add_loss), whose gradient would have to pass the recomputation of the layer. "
                               "Add it from the model's compile() loss, or use zero_stage=2.")
+            if first:  # A weight the call did not read has no gradient (Keras' optimizer leaves it alone).
+                index = {id(v): i for i, v in enumerate(self.sharded.variables)}
+                self.absent.update(index[id(v)] for v, t in pairs if hasattr(t, "consumers") and not t.consumers())
             if first:  # The forward pass's writes go to the step's scope; a recomputation's are dropped.
                 for key, variable in scope.updated.items():
                     value = scope.state_mapping[key]
