@@ -118,9 +118,10 @@ class _UnitScope(StatelessScope):
 
 
 def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: int, name: str,
-           absent: set) -> list:
+           absent: set, sparse: Callable[[int], None]) -> list:
     """The bucket's variables whole (`shapes`), all-gathered from every replica's [S/N] `part`; the gradient
-    is reduce-scattered back to this replica's part (`absent` collects the variables given no gradient)."""
+    is reduce-scattered back to this replica's part (`absent` collects the variables given no gradient;
+    ``sparse(i)`` is told of a row-sparse one, which goes dense)."""
     @tf.custom_gradient
     def run(shard: tf.Tensor) -> Any:
         whole = collectives.all_gather(backend, shard, replica, name)
@@ -131,6 +132,8 @@ def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: in
             for i, g in zip(bucket.indices, upstream):
                 if g is None:
                     absent.add(i)
+                if isinstance(g, tf.IndexedSlices):
+                    sparse(i)
                 dense.append(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g)
             return collectives.reduce_scatter(backend, bucket.flatten(dense), replica, name + "_rs")
         return pieces, grad
@@ -165,13 +168,28 @@ class Gathering:
             variables = [sharded.variables[i] for i in bucket.indices]
             part = tf.convert_to_tensor(shard.params[k].value)
             values = gather(sharded.backend, bucket, [tuple(v.shape) for v in variables], part, shard.replica,
-                            f"tfdist_zero3_{k}", self.absent)
+                            f"tfdist_zero3_{k}", self.absent, self.sparse)
             pairs += list(zip(variables, values))
         return pairs
 
     @property
     def active(self) -> bool:
         return getattr(self.local, "active", False)
+
+    def sparse(self, index: int) -> None:
+        """Refuses a row-sparse gradient (an Embedding's) unless the optimizer updates from its dense form as
+        Keras' does from the rows (plain SGD): Keras' Adam, momentum and norms treat the rows a batch does not
+        touch otherwise, and the flat shards carry the gradient dense."""
+        clone = next(iter(self.sharded.shards.values())).optimizer
+        if type(clone) is keras.optimizers.SGD and not clone.momentum and not (clone.clipnorm or
+                                                                               clone.global_clipnorm):
+            return
+        variable = self.sharded.variables[index]
+        raise _refuse(self.local, f"zero_stage=3 cannot shard {variable.path} with {type(clone).__name__}: its "
+                      "gradient is row-sparse (an Embedding lookup), Keras' optimizer updates the moments (or "
+                      "norms) of the rows a batch touches only, and the reduce-scatter of flat shards carries "
+                      "the gradient dense, which would move every row's. Use plain SGD, or zero_stage=0 for "
+                      "this model.")
 
     def replacement(self, unit: Any, original: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
