@@ -5,6 +5,7 @@ it was on every exit path."""
 
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -504,6 +505,23 @@ def test_optimizers_and_a_second_fit_train_as_keras():
 
 def test_an_embedding_trains_with_sgd_and_is_refused_with_adam():
     fresh("_an_embedding_trains_with_sgd_and_is_refused_with_adam")
+
+
+
+def test_tfdist_train_under_mixed_bfloat16_ends_on_the_unsharded_runs_weights(tmp_path):
+    """`tfdist-train --zero_stage=3`: its CNN under the mixed_bfloat16 policy (the layers read bfloat16 casts of
+    the gathered float32 weights, and the recomputation must cast as the forward pass did), with its checkpoint
+    and model.keras export: the unsharded run's weights, bit for bit (their fingerprints)."""
+    from tests.conftest import run_module
+    prints = []
+    for stage in (0, 3):
+        result = run_module("tfdist.cli.train", ["--strategy=mirrored", "--num_cpu_replicas=2", "--max_steps=20",
+                                                 "--precision=mixed_bfloat16", f"--zero_stage={stage}", "--seed=1",
+                                                 f"--workdir={tmp_path}/stage{stage}"], timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        prints.append(re.findall(r"weights_fingerprint=(\w+)", result.stdout + result.stderr)[-1])
+        assert os.path.exists(f"{tmp_path}/stage{stage}/model.keras")
+    assert prints[0] == prints[1]
 
 
 @pytest.mark.jobs

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import keras
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
+from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
 from tfdist.errors import UserError
 from tfdist.training.zero import collectives
@@ -166,7 +167,8 @@ class Gathering:
         for k in self.buckets[id(unit)]:
             bucket = sharded.layout[k]
             variables = [sharded.variables[i] for i in bucket.indices]
-            part = tf.convert_to_tensor(shard.params[k].value)
+            # The variable itself: Keras' `value` would cast it to a mixed policy's compute dtype in a layer's call.
+            part = getattr(shard.params[k], "_value", shard.params[k]).read_value()
             values = gather(sharded.backend, bucket, [tuple(v.shape) for v in variables], part, shard.replica,
                             f"tfdist_zero3_{k}", self.absent, self.sparse)
             pairs += list(zip(variables, values))
@@ -208,6 +210,8 @@ class Gathering:
         leaves = tf.nest.flatten((args, kwargs))
         at = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor)]
         outer = get_stateless_scope()
+        autocast = get_autocast_scope()  # The recomputation runs outside the layer's __call__, which set it.
+        cast_to = autocast.dtype if autocast is not None else None
         entry = dict(outer.state_mapping) if outer is not None else {}
         for v in self.sharded.variables:  # Every other unit's weights: a read is refused (`_Unmapped`).
             if isinstance(entry.get(id(v), self), (_Unmapped, Gathering)):
@@ -224,7 +228,7 @@ class Gathering:
             with tf.control_dependencies(list(tensors[:1])):  # Gathered once the unit's input exists.
                 pairs = self.whole_weights(unit)
             scope = _UnitScope({**entry, **{id(v): t for v, t in pairs}})
-            with scope:
+            with scope, AutocastScope(cast_to):
                 out = original(*a, **kw)
             if scope.losses:
                 raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: its call adds a loss "
