@@ -50,7 +50,7 @@ class Stage3Optimizer(ShardedOptimizer):
         return buckets
 
     def gradient_sources(self) -> list:
-        return [tf_variable(p) for p in self._mine().params]
+        return [getattr(p, "_value", p) for p in self._mine().params]  # The variables (Keras' `value` may cast).
 
     def reduce(self, grads: list, tag: str = "") -> list:
         """Already this replica's summed slices (the gathers' gradients); a bucket no layer used: zeros."""
@@ -102,7 +102,9 @@ class Stage3Optimizer(ShardedOptimizer):
                 for i, piece in zip(bucket.indices, np.split(flat[:bucket.total], np.cumsum(bucket.sizes)[:-1])):
                     self._assign_whole(i, piece.reshape(self.variables[i].shape))
             return
-        self.backend.compile(self._gather_all)()
+        if getattr(self, "_gather_fn", None) is None:  # One trace for every gather of the fit (and the next).
+            self._gather_fn = self.backend.compile(self._gather_all)
+        self._gather_fn()
 
     def _gather_all(self) -> None:
         self.backend.run(self._gather_replica, ())
@@ -130,10 +132,6 @@ class Stage3Optimizer(ShardedOptimizer):
         for shard in self.shards.values():
             for param in shard.params:
                 tf_variable(param).assign(tf.zeros([0], param.dtype), read_value=False)
-
-    def is_whole(self) -> bool:
-        return all(c.read_value().shape == self.variables[i].shape
-                   for i in range(len(self.variables)) for c in self._components(i))
 
 
 @contextlib.contextmanager
