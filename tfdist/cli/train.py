@@ -64,9 +64,9 @@ flags.DEFINE_float("warmup_epochs", _D.warmup_epochs, "Linear learning-rate warm
 flags.DEFINE_enum("lr_schedule", _D.lr_schedule, LR_SCHEDULES, "After warm-up: cosine decay to 0 by the last "
                   "epoch, or constant.")
 flags.DEFINE_integer("grad_accum_steps", _D.grad_accum_steps, "Micro-batches accumulated per optimizer step.")
-flags.DEFINE_integer("zero_stage", _D.zero_stage, "Shard the optimizer state over the replicas (1), and the "
-                     "gradients too (2), as DeepSpeed's ZeRO stages; 0: every replica holds it whole "
-                     "(docs/sharding.md).")
+flags.DEFINE_integer("zero_stage", _D.zero_stage, "Shard the optimizer state over the replicas (1), the "
+                     "gradients too (2), the weights too (3), as DeepSpeed's ZeRO stages; 0: every replica holds "
+                     "them whole (docs/sharding.md).")
 flags.DEFINE_integer("steps_per_execution", None, "Steps per compiled execution (default 10; 100 on TPU).")
 flags.DEFINE_string("precision", _D.precision, f"One of: {', '.join(PRECISIONS)}.")
 flags.DEFINE_enum("jit_compile", _D.jit_compile, ["auto", "true", "false"], "XLA for each compiled step: auto is "

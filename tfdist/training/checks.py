@@ -252,15 +252,10 @@ def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any 
     """What a sharded optimizer state (`zero_stage`, `tfdist.training.zero`) cannot do, refused before any step."""
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise UserError(f"zero_stage={stage!r} must be 0 (every replica holds the whole optimizer state), 1 "
-                        "(the optimizer state sharded over the replicas) or 2 (the gradients too); see "
-                        "docs/sharding.md.")
+                        "(the optimizer state sharded over the replicas), 2 (the gradients too) or 3 (the weights "
+                        "too); see docs/sharding.md.")
     if stage == 0:
         return
-    if stage == 3:
-        raise UserError("zero_stage=3 (sharding the weights themselves) is not available: a Keras 3 layer reads "
-                        "its whole variables in call(), and gathering each layer's weights just before it runs "
-                        "(and again in the backward pass) is not built yet (docs/sharding.md, Stage 3). Use "
-                        "zero_stage=2: the optimizer state and gradients sharded.")
     where = "parameter servers (the optimizer state already lives on the ps tasks, sharded by variable)" \
         if backend.asynchronous else "a TPU (its step is traced once for every core, so a core cannot keep its " \
         "own part)" if backend.device_kind == "tpu" else ""
@@ -299,6 +294,15 @@ def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any 
     from tfdist.training.zero.optimizer import check_supported
 
     check_supported(inner)
+    if stage == 3:
+        from tfdist.training.zero import collectives, gathering
+
+        gathering.check(model)
+        if collectives.path(backend) == "all_reduce":
+            raise UserError("zero_stage=3 gathers each layer's weights with collective ops inside the backward "
+                            "pass, which MirroredStrategy with all_reduce='reduce_to_one' (or NCCL) does not "
+                            "offer. Use its default collective all-reduce, MultiWorkerMirroredStrategy or "
+                            "Horovod, or zero_stage=2.")
     if (inner.global_clipnorm or inner.clipnorm) and inner.gradient_accumulation_steps:
         which = "global_clipnorm" if inner.global_clipnorm else "clipnorm"
         raise UserError(f"zero_stage={stage} cannot apply {type(inner).__name__}({which}=..., "

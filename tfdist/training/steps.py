@@ -240,7 +240,7 @@ class StepFunctions:
     def _forward_backward(self, x: Any, y: Any, sample_weight: Any, total: Optional[tf.Tensor] = None):
         """``total``: the step's global example count where parts may differ in size (partial batches)."""
         model = self.model
-        variables = model.trainable_variables
+        variables = model.trainable_variables if self.zero is None else self.zero.gradient_sources()
         # The forward pass records what state it updates (written back below).
         # (A frozen ShardedEmbedding table is never written by the forward pass: not read whole here.)
         mapping = [(v, tf_variable(v).read_value()) for v in model.non_trainable_variables

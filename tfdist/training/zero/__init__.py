@@ -1,10 +1,11 @@
-"""ZeRO-style sharding over the data-parallel replicas (`tfdist.fit(zero_stage=1|2)`): equal flat shards.
+"""ZeRO-style sharding over the data-parallel replicas (`tfdist.fit(zero_stage=1|2|3)`): equal flat shards.
 
 The trainable variables are flattened into buckets (`layout`); each replica owns exactly 1/N of each bucket's
 elements and keeps the optimizer state of those only, in a clone of the user's own Keras optimizer built on
 its flat shards (`optimizer`, with what Keras computes per variable made exact in `figures`). A step
 reduce-scatters the gradients and all-gathers the updated shards (`collectives`, TensorFlow's private names
-kept in `tf_private`); the state is saved by variable, so any replica count reads it (`checkpoint`).
+kept in `tf_private`); the state is saved by variable, so any replica count reads it (`checkpoint`). Stage 3
+shards the weights too, gathering each layer's just before it runs (`stage3`, `gathering`).
 docs/sharding.md.
 
 The rest of tfdist uses this surface only: `for_model`, `state_report`, `ShardedOptimizer` (its `reduce`,
@@ -32,13 +33,15 @@ _SHARDED: "weakref.WeakKeyDictionary[Any, ShardedOptimizer]" = weakref.WeakKeyDi
 def for_model(model: keras.Model, backend: Backend, stage: int) -> ShardedOptimizer:
     """The model's sharded optimizer state: the one an earlier `tfdist.fit` call left (so a second call goes on
     from the first's moments, as Keras' second ``fit`` does), or a new one."""
+    from tfdist.training.zero.stage3 import Stage3Optimizer
+    kind = Stage3Optimizer if stage == 3 else ShardedOptimizer
     previous = _SHARDED.get(model.optimizer)
-    if previous is not None and previous.backend is backend and not previous.broken and \
+    if previous is not None and type(previous) is kind and previous.backend is backend and not previous.broken and \
             not model.optimizer.built and \
             [id(v) for v in previous.variables] == [id(v) for v in model.trainable_variables]:
         previous.stage = stage
         return previous
-    sharded = _SHARDED[model.optimizer] = ShardedOptimizer(model, backend, stage)
+    sharded = _SHARDED[model.optimizer] = kind(model, backend, stage)
     return sharded
 
 

@@ -85,7 +85,7 @@ class ShardedOptimizer:
         self.broken = False  # A restore failed part-way: `for_model` does not reuse this state.
         self.growth_steps = user.dynamic_growth_steps if self.loss_scale else None
         self.variables = list(model.trainable_variables)
-        self.layout = layout.plan(self.variables, backend.num_replicas)
+        self.layout = self.plan_layout(model)
         self.shards = {replica: self._shard(user, inner, replica, local, device)
                        for local, (replica, device) in enumerate(backend.local_replicas())}
         from tfdist.training.zero import checkpoint
@@ -128,6 +128,14 @@ class ShardedOptimizer:
                                           name="dynamic_scale")
                 shard.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_counter")
         return shard
+
+    def plan_layout(self, model: keras.Model) -> list:
+        """The buckets (stage 3: one layer's variables each, `stage3`)."""
+        return layout.plan(self.variables, self.backend.num_replicas)
+
+    def gradient_sources(self) -> list:
+        """What a replica step differentiates the loss by (stage 3: its weight shards)."""
+        return self.variables
 
     # Accounting --------------------------------------------------------------------------------------------
     def local_state_bytes(self) -> list[int]:
@@ -173,9 +181,7 @@ class ShardedOptimizer:
         the variables with a gradient (Keras leaves the others as they are)."""
         shard = self._mine()
         clone = shard.optimizer
-        for k, bucket in enumerate(self.layout):  # The weights as the model holds them now.
-            tf_variable(shard.params[k]).assign(bucket.owned_part(shard.replica, [shard.proxies[i].value
-                                                                                   for i in bucket.indices]))
+        self._refresh(shard)
         clone._iterations.assign(tf.cast(self.iterations, clone._iterations.dtype))
         scale = shard.scale if self.loss_scale else None
         unscaled = [g if scale is None else g / tf.cast(scale, g.dtype) for g in grads]
@@ -210,6 +216,11 @@ class ShardedOptimizer:
         self.share(shard)
         self._constrain(shard, present)
         return finite
+
+    def _refresh(self, shard: Shard) -> None:
+        for k, bucket in enumerate(self.layout):  # The weights as the model holds them now.
+            tf_variable(shard.params[k]).assign(bucket.owned_part(shard.replica, [shard.proxies[i].value
+                                                                                   for i in bucket.indices]))
 
     def _figures(self, grads: list, unscaled: list, shard: Shard) -> tuple[tf.Tensor, Optional[tf.Tensor]]:
         """Whether the whole (scaled) gradient is finite, and the per-variable square sums of the unscaled

@@ -1,0 +1,303 @@
+"""Stage 3's layer gathering: each layer's weights all-gathered from the replicas' flat shards just before it
+runs, and again in the backward pass; their gradient reduce-scattered into the shards.
+
+The user's layers are not rewritten. While a stage-3 fit runs, each *unit* (a layer of the model with trainable
+weights, nested models looked into) has its ``call`` replaced by an instance attribute (removed on every exit
+path, `wrapped`). Inside a training step the replacement
+- all-gathers the unit's buckets (equal parts) once its inputs exist, and feeds the whole weights to the
+  layer's own ``call`` through a Keras `StatelessScope` (``Variable.value`` returns the mapped tensor);
+- runs that gather and the call under ``tf.recompute_grad``: the tape keeps the unit's inputs and the shards,
+  not the whole weights; the backward pass gathers them again and recomputes the unit;
+- the gather's custom gradient reduce-scatters the weights' gradient (all-to-all plus a local sum): a replica
+  never holds the summed gradient of more than one layer at a time, nor any layer's weights between layers.
+Non-trainable state the unit writes (BatchNormalization's moving statistics, a seed generator's counter) is
+written to the step's scope by the forward pass only: the recomputation starts from the state the forward pass
+read (the same Dropout masks, the same statistics) and its own writes are dropped. A weight read outside its
+own unit (tied weights, a layer reading another's kernel, a model reading a layer's weight in its own call) is
+refused when the step is traced (`UserError`), as is a layer called twice in one forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
+from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
+
+from tfdist.errors import UserError
+from tfdist.training.zero import collectives
+
+
+def units(model: keras.Model) -> list:
+    """The layers stage 3 gathers one at a time: in model order, each layer with trainable weights (a nested
+    model is looked into; a layer's sublayers are gathered with it)."""
+    found: list = []
+
+    def walk(container: Any) -> None:
+        for layer in container.layers:
+            if isinstance(layer, keras.Model) and not layer._trainable_variables:
+                walk(layer)
+            elif layer.trainable_variables:
+                found.append(layer)
+    walk(model)
+    return found
+
+
+def check(model: keras.Model) -> None:
+    """Refuses, before any step, what stage 3 cannot gather layer by layer (one paragraph each)."""
+    if model._trainable_variables:
+        raise UserError(f"zero_stage=3 gathers each layer's weights just before the layer runs, and "
+                        f"{type(model).__name__} owns trainable weights itself ({model._trainable_variables[0].path}), "
+                        "which its own call reads outside any layer. Move them into a layer, or use zero_stage=2.")
+    owner: dict = {}
+    for layer in units(model):
+        for v in layer.trainable_variables:
+            if id(v) in owner:
+                raise UserError(f"zero_stage=3 cannot shard {v.path}: layers {owner[id(v)].name!r} and "
+                                f"{layer.name!r} both hold it (a tied or shared weight). Each weight is gathered "
+                                "with the one layer that holds it; untie the weights, or use zero_stage=2.")
+            owner[id(v)] = layer
+        if len(getattr(layer, "_inbound_nodes", ())) > 1:
+            raise UserError(f"zero_stage=3 cannot shard layer {layer.name!r}: the model calls it "
+                            f"{len(layer._inbound_nodes)} times (a shared layer), and stage 3 gathers a layer's "
+                            "weights for one call. Use a layer per call, or zero_stage=2.")
+    for v in model.trainable_variables:
+        if id(v) not in owner:
+            raise UserError(f"zero_stage=3 cannot shard {v.path}: no layer of the model holds it. Use "
+                            "zero_stage=2.")
+        if getattr(v, "regularizer", None) is not None or getattr(v, "constraint", None) is not None:
+            what = "regularizer" if getattr(v, "regularizer", None) is not None else "constraint"
+            raise UserError(f"zero_stage=3 cannot shard {v.path}: its {what} reads the whole weight outside "
+                            f"its layer's call, and between a layer's gather and its next one no replica "
+                            f"holds it. Drop the {what}, or use zero_stage=2.")
+
+
+class _Refusal(UserError):
+    """A refusal raised while the step is traced (Keras and autograph rewrite it on its way out:
+    `stage3.sharded_weights` raises it again as it was)."""
+
+
+class _Unmapped:
+    """What a unit's scope maps another unit's weight to: converting it (a read) is refused."""
+
+    def __init__(self, variable: Any, reader: str, local: Any):
+        self.variable, self.reader, self.local = variable, reader, local
+        self.shape, self.dtype = variable.shape, variable.dtype
+
+    def __tf_tensor__(self, dtype: Any = None, name: Any = None) -> Any:
+        raise _refuse(self.local, f"zero_stage=3 cannot shard {self.variable.path}: {self.reader} reads it outside the "
+                        "layer that holds it (a tied weight, or a weight read in a model's own call), and stage 3 "
+                        "gathers each weight only for its own layer's call. Read it in its own layer, or use "
+                        "zero_stage=2.")
+
+    def __getattr__(self, name: str) -> Any:  # Anything else done with it is a read too.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self.__tf_tensor__()
+
+
+def _refuse(local: Any, message: str) -> UserError:
+    local.refusal = local.gathering.refusal = message
+    return _Refusal(message)
+
+
+class _UnitScope(StatelessScope):
+    """A unit's scope: its whole weights and the step's state; remembers what the unit writes."""
+
+    def __init__(self, mapping: dict):
+        super().__init__(collect_losses=True, initialize_variables=False)
+        self.state_mapping = mapping
+        self.updated: dict = {}
+
+    def add_update(self, update: tuple) -> None:
+        super().add_update(update)
+        self.updated[id(update[0])] = update[0]
+
+
+def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: int, name: str,
+           absent: set, sparse: Callable[[int], None]) -> list:
+    """The bucket's variables whole (`shapes`), all-gathered from every replica's [S/N] `part`; the gradient
+    is reduce-scattered back to this replica's part (`absent` collects the variables given no gradient;
+    ``sparse(i)`` is told of a row-sparse one, which goes dense)."""
+    @tf.custom_gradient
+    def run(shard: tf.Tensor) -> Any:
+        whole = collectives.all_gather(backend, shard, replica, name)
+        pieces = [tf.reshape(p, s) for p, s in zip(bucket.split(whole), shapes)]
+
+        def grad(*upstream: Any) -> tf.Tensor:
+            dense = []
+            for i, g in zip(bucket.indices, upstream):
+                if g is None:
+                    absent.add(i)
+                if isinstance(g, tf.IndexedSlices):
+                    sparse(i)
+                dense.append(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g)
+            return collectives.reduce_scatter(backend, bucket.flatten(dense), replica, name + "_rs")
+        return pieces, grad
+    return run(part)
+
+
+class Gathering:
+    """The call replacements of one stage-3 fit (`wrapped`); `active` while a training step is traced."""
+
+    def __init__(self, sharded: Any, model: keras.Model):
+        self.sharded, self.model = sharded, model
+        # Per replica thread (MirroredStrategy traces its replicas in threads, which hand over at each merge
+        # call): whether its training step's forward pass is being traced, and each unit's calls in it.
+        self.local = threading.local()
+        self.local.gathering = self
+        self.refusal = None  # A refusal raised while the step was traced (`stage3.sharded_weights` raises it).
+        self.units = units(model)
+        index = {id(v): i for i, v in enumerate(sharded.variables)}
+        self.buckets = {}  # id(unit) -> the indices of its buckets.
+        for unit in self.units:
+            mine = {index[id(v)] for v in unit.trainable_variables}
+            self.buckets[id(unit)] = [k for k, b in enumerate(sharded.layout) if set(b.indices) <= mine]
+        self.absent: set = set()
+
+    def whole_weights(self, unit: Any) -> list:
+        """The unit's weights whole, gathered (inside a replica step), as (variable, tensor) pairs."""
+        sharded = self.sharded
+        shard = sharded._mine()
+        pairs = []
+        for k in self.buckets[id(unit)]:
+            bucket = sharded.layout[k]
+            variables = [sharded.variables[i] for i in bucket.indices]
+            # The variable itself: Keras' `value` would cast it to a mixed policy's compute dtype in a layer's call.
+            part = getattr(shard.params[k], "_value", shard.params[k]).read_value()
+            values = gather(sharded.backend, bucket, [tuple(v.shape) for v in variables], part, shard.replica,
+                            f"tfdist_zero3_{k}", self.absent, self.sparse)
+            pairs += list(zip(variables, values))
+        return pairs
+
+    @property
+    def active(self) -> bool:
+        return getattr(self.local, "active", False)
+
+    def sparse(self, index: int) -> None:
+        """Refuses a row-sparse gradient (an Embedding's) unless the optimizer updates from its dense form as
+        Keras' does from the rows (plain SGD): Keras' Adam, momentum and norms treat the rows a batch does not
+        touch otherwise, and the flat shards carry the gradient dense."""
+        clone = next(iter(self.sharded.shards.values())).optimizer
+        if type(clone) is keras.optimizers.SGD and not clone.momentum and not (clone.clipnorm or
+                                                                               clone.global_clipnorm):
+            return
+        variable = self.sharded.variables[index]
+        raise _refuse(self.local, f"zero_stage=3 cannot shard {variable.path} with {type(clone).__name__}: its "
+                      "gradient is row-sparse (an Embedding lookup), Keras' optimizer updates the moments (or "
+                      "norms) of the rows a batch touches only, and the reduce-scatter of flat shards carries "
+                      "the gradient dense, which would move every row's. Use plain SGD, or zero_stage=0 for "
+                      "this model.")
+
+    def replacement(self, unit: Any, original: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return original(*args, **kwargs)
+            calls = self.local.calls
+            calls[id(unit)] = calls.get(id(unit), 0) + 1
+            if calls[id(unit)] > 1:
+                raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: the model calls it "
+                              "more than once in a forward pass (a shared layer), and stage 3 gathers a layer's "
+                              "weights for one call. Use a layer per call, or zero_stage=2.")
+            return self._run(unit, original, args, kwargs)
+        return call
+
+    def _run(self, unit: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
+        leaves = tf.nest.flatten((args, kwargs))
+        at = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor)]
+        outer = get_stateless_scope()
+        autocast = get_autocast_scope()  # The recomputation runs outside the layer's __call__, which set it.
+        cast_to = autocast.dtype if autocast is not None else None
+        entry = dict(outer.state_mapping) if outer is not None else {}
+        for v in self.sharded.variables:  # Every other unit's weights: a read is refused (`_Unmapped`).
+            if isinstance(entry.get(id(v), self), (_Unmapped, Gathering)):
+                entry[id(v)] = _Unmapped(v, f"layer {unit.name!r}", self.local)
+        runs = []
+
+        def forward(*tensors: tf.Tensor) -> Any:
+            first = not runs
+            runs.append(1)
+            given = list(leaves)
+            for i, t in zip(at, tensors):
+                given[i] = t
+            a, kw = tf.nest.pack_sequence_as((args, kwargs), given)
+            with tf.control_dependencies(list(tensors[:1])):  # Gathered once the unit's input exists.
+                pairs = self.whole_weights(unit)
+            scope = _UnitScope({**entry, **{id(v): t for v, t in pairs}})
+            with scope, AutocastScope(cast_to):
+                out = original(*a, **kw)
+            if scope.losses:
+                raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: its call adds a loss "
+                              "(add_loss), whose gradient would have to pass the recomputation of the layer. "
+                              "Add it from the model's compile() loss, or use zero_stage=2.")
+            if first:  # A weight the call did not read has no gradient (Keras' optimizer leaves it alone).
+                index = {id(v): i for i, v in enumerate(self.sharded.variables)}
+                self.absent.update(index[id(v)] for v, t in pairs if hasattr(t, "consumers") and not t.consumers())
+            if first:  # The forward pass's writes go to the step's scope; a recomputation's are dropped.
+                for key, variable in scope.updated.items():
+                    value = scope.state_mapping[key]
+                    if outer is not None:
+                        outer.add_update((variable, value))
+                    else:
+                        variable.assign(value)
+            return out
+
+        tensors = [leaves[i] for i in at]
+        if not tensors:
+            return forward()
+        return tf.recompute_grad(forward)(*tensors)  # Graph-mode custom gradients take positional tensors.
+
+    def guarded(self, original: Callable) -> Callable:
+        """The model's own call: a weight it reads outside its layers' calls is refused (`_Unmapped`)."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            scope = get_stateless_scope()
+            if not self.active or scope is None:
+                return original(*args, **kwargs)
+            added = [id(v) for v in self.sharded.variables if id(v) not in scope.state_mapping]
+            for v in self.sharded.variables:
+                scope.state_mapping.setdefault(id(v), _Unmapped(v, f"{type(self.model).__name__}.call", self.local))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                for key in added:
+                    scope.state_mapping.pop(key, None)
+        return call
+
+    def forward_backward(self, original: Callable) -> Callable:
+        """The step's forward and backward pass (`StepFunctions._forward_backward`), traced with the units'
+        calls gathering."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.local.active, self.local.calls, self.local.gathering = True, {}, self
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.local.active = False
+        return run
+
+
+@contextlib.contextmanager
+def wrapped(gathering: Gathering, functions: Any) -> Iterator[None]:
+    """The units' calls and the step's forward/backward replaced for the block; put back on every exit path."""
+    replaced: list = []
+    try:
+        for unit in gathering.units:
+            own = unit.__dict__.get("call")
+            replaced.append((unit, own))
+            unit.call = gathering.replacement(unit, unit.call)
+        replaced.append((gathering.model, gathering.model.__dict__.get("call")))
+        gathering.model.call = gathering.guarded(gathering.model.call)
+        own = functions.__dict__.get("_forward_backward")
+        replaced.append((functions, own))
+        functions._forward_backward = gathering.forward_backward(functions._forward_backward)
+        yield
+    finally:
+        for obj, own in reversed(replaced):
+            name = "_forward_backward" if obj is functions else "call"
+            if own is None:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = own
