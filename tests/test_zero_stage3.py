@@ -113,6 +113,7 @@ def assert_left_alone(net):
     whole = [[int(np.prod(v.shape))] * 2 for v in net.trainable_variables]
     assert buffers(net) == whole
     assert all("call" not in layer.__dict__ for layer in net._flatten_layers())
+    assert "_compute_loss" not in net.__dict__
 
 
 def _an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
@@ -140,6 +141,49 @@ def _an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
     assert_left_alone(net)
     assert not net.optimizer.built
     assert all(np.size(tf_variable(p).read_value()) == 0 for s in sharded.shards.values() for p in s.params)
+
+
+class OldStyle(keras.callbacks.Callback):
+    """Overrides only the legacy on_batch_end (Keras' on_train_batch_end calls it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def on_batch_end(self, batch, logs=None):
+        self.shapes.append(tuple(np.shape(self.model.layers[0].get_weights()[0])))
+
+
+def _added_layers_and_callbacks_without_class_hooks_see_whole_weights():
+    """A Sequential grown by add() (Keras calls every layer again at each add: a layer's nodes are not calls
+    of one forward pass) trains; a LambdaCallback (hooks on the instance) and a callback overriding only the
+    legacy on_batch_end see the whole weights (before: zero-size arrays)."""
+    def build():
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential()
+        net.add(keras.Input((8,)))
+        for units, activation in ((16, "tanh"), (12, "tanh"), (3, None)):
+            net.add(keras.layers.Dense(units, activation=activation))
+        net.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return net
+    x, y = data()
+    runs = {}
+    for stage in (0, 3):
+        epochs, old = [], OldStyle()
+        lam = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs, seen=epochs: seen.append([w.shape for w in lam_model[0].get_weights()]))
+        lam_model = []
+        s = strategy()
+        with s.scope():
+            net = build()
+        lam_model.append(net)
+        train(net, x, y, batch_size=BATCH, shuffle=False, verbose=0, strategy=s, zero_stage=stage, export=(),
+              callbacks=[lam, old], epochs=2)
+        runs[stage] = (net.get_weights(), epochs, old.shapes)
+    assert runs[3][1] == runs[0][1] == [[(8, 16), (16,), (16, 12), (12,), (12, 3), (3,)]] * 2
+    assert runs[3][2] == runs[0][2] == [(8, 16)] * 40
+    for a, b in zip(runs[3][0], runs[0][0]):
+        np.testing.assert_array_equal(a, b)
 
 
 def _the_step_gathers_each_layer_and_reduce_scatters_its_gradient():
@@ -301,6 +345,14 @@ class Holder(keras.layers.Layer):
         return self.dense(x)
 
 
+class KernelPenalty(keras.Sequential):
+    """A compute_loss override that reads a layer's weight (outside that layer's call)."""
+
+    def compute_loss(self, *args, **kwargs):
+        loss = super().compute_loss(*args, **kwargs)
+        return loss + 0.1 * keras.ops.sum(keras.ops.square(self.layers[0].kernel))
+
+
 class CustomStep(keras.Sequential):
     def train_step(self, data):
         return super().train_step(data)
@@ -321,13 +373,15 @@ def _tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_al
         return make
     cases = [
         (compiled(lambda: keras.Model(inputs, keras.layers.Dense(3)(shared(shared(inputs))))),
-         r"layer 'dense\w*': the model calls it 2 times \(a shared layer\)"),
+         r"layer 'dense\w*': the model calls it more than once in a forward pass \(a shared layer\)"),
         (compiled(lambda: TwiceCalled()), r"calls it more than once in a forward pass \(a shared layer\)"),
         (compiled(lambda: TiedOutput()), r"TiedOutput.call reads it outside the layer that holds it"),
         (compiled(lambda: keras.Sequential([keras.Input((8,)), dense, Holder(dense), keras.layers.Dense(3)])),
          r"both hold it \(a tied or shared weight\)"),
         (compiled(lambda: CustomStep([keras.Input((8,)), keras.layers.Dense(3)])),
          r"custom train_step calls its optimizer itself"),
+        (compiled(lambda: KernelPenalty([keras.Input((8,)), keras.layers.Dense(3)])),
+         r"KernelPenalty.compute_loss reads it outside the layer that holds it"),
     ]
     for build, match in cases:
         s = strategy()
@@ -463,6 +517,10 @@ def _an_embedding_trains_with_sgd_and_is_refused_with_adam():
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras(name):
     fresh("_an_mlp_trains_as_unsharded_bit_for_bit_and_as_keras", name)
+
+
+def test_added_layers_and_callbacks_without_class_hooks_see_whole_weights():
+    fresh("_added_layers_and_callbacks_without_class_hooks_see_whole_weights")
 
 
 def test_the_step_gathers_each_layer_and_reduce_scatters_its_gradient():

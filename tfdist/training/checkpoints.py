@@ -326,8 +326,8 @@ class Checkpoints:
             self.zero.restore(os.path.dirname(latest), step)
         elif written:
             raise UserError(f"Cannot resume from {latest} without zero_stage: it was written with the optimizer "
-                            "state sharded (zero_stage=1 or 2), which only a sharded run reads. Pass zero_stage=1 "
-                            "or 2 (any replica count), or start a new run with a new workdir.")
+                            "state sharded (zero_stage=1, 2 or 3), which only a sharded run reads. Pass zero_stage=1, "
+                            "2 or 3 (any replica count), or start a new run with a new workdir.")
 
     def save(self, step: int) -> Optional[str]:
         """Saves at `step` (the chief, or every task where the backend needs it); returns the chief's path.

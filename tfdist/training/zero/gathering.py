@@ -61,10 +61,6 @@ def check(model: keras.Model) -> None:
                                 f"{layer.name!r} both hold it (a tied or shared weight). Each weight is gathered "
                                 "with the one layer that holds it; untie the weights, or use zero_stage=2.")
             owner[id(v)] = layer
-        if len(getattr(layer, "_inbound_nodes", ())) > 1:
-            raise UserError(f"zero_stage=3 cannot shard layer {layer.name!r}: the model calls it "
-                            f"{len(layer._inbound_nodes)} times (a shared layer), and stage 3 gathers a layer's "
-                            "weights for one call. Use a layer per call, or zero_stage=2.")
     for v in model.trainable_variables:
         if id(v) not in owner:
             raise UserError(f"zero_stage=3 cannot shard {v.path}: no layer of the model holds it. Use "
@@ -251,20 +247,29 @@ class Gathering:
             return forward()
         return tf.recompute_grad(forward)(*tensors)  # Graph-mode custom gradients take positional tensors.
 
-    def guarded(self, original: Callable) -> Callable:
-        """The model's own call: a weight it reads outside its layers' calls is refused (`_Unmapped`)."""
+    def guarded(self, original: Callable, name: str = "call") -> Callable:
+        """The model's own call (or loss, ``name``): a weight it reads outside its layers' calls is refused
+        (`_Unmapped`)."""
+        reader = f"{type(self.model).__name__}.{name.lstrip('_')}"
+
         def call(*args: Any, **kwargs: Any) -> Any:
             scope = get_stateless_scope()
             if not self.active or scope is None:
                 return original(*args, **kwargs)
-            added = [id(v) for v in self.sharded.variables if id(v) not in scope.state_mapping]
+            # The loss's own scope maps every weight to its value (here its freed buffer): all are unmapped
+            # there. The model's call runs in the step's scope, where a unit's gathered weights stay.
+            before = {id(v): scope.state_mapping.get(id(v)) for v in self.sharded.variables}
             for v in self.sharded.variables:
-                scope.state_mapping.setdefault(id(v), _Unmapped(v, f"{type(self.model).__name__}.call", self.local))
+                if name != "call" or before[id(v)] is None:
+                    scope.state_mapping[id(v)] = _Unmapped(v, reader, self.local)
             try:
                 return original(*args, **kwargs)
             finally:
-                for key in added:
-                    scope.state_mapping.pop(key, None)
+                for key, value in before.items():
+                    if value is None:
+                        scope.state_mapping.pop(key, None)
+                    else:
+                        scope.state_mapping[key] = value
         return call
 
     def forward_backward(self, original: Callable) -> Callable:
@@ -283,20 +288,21 @@ class Gathering:
 def wrapped(gathering: Gathering, functions: Any) -> Iterator[None]:
     """The units' calls and the step's forward/backward replaced for the block; put back on every exit path."""
     replaced: list = []
+
+    def replace(obj: Any, name: str, make: Callable) -> None:
+        replaced.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, make(getattr(obj, name)))
     try:
         for unit in gathering.units:
-            own = unit.__dict__.get("call")
-            replaced.append((unit, own))
-            unit.call = gathering.replacement(unit, unit.call)
-        replaced.append((gathering.model, gathering.model.__dict__.get("call")))
-        gathering.model.call = gathering.guarded(gathering.model.call)
-        own = functions.__dict__.get("_forward_backward")
-        replaced.append((functions, own))
-        functions._forward_backward = gathering.forward_backward(functions._forward_backward)
+            replace(unit, "call", lambda call, unit=unit: gathering.replacement(unit, call))
+        model = gathering.model
+        replace(model, "call", gathering.guarded)
+        # The loss (a compute_loss override reading a weight: refused, not a failed step).
+        replace(model, "_compute_loss", lambda method: gathering.guarded(method, "compute_loss"))
+        replace(functions, "_forward_backward", gathering.forward_backward)
         yield
     finally:
-        for obj, own in reversed(replaced):
-            name = "_forward_backward" if obj is functions else "call"
+        for obj, name, own in reversed(replaced):
             if own is None:
                 obj.__dict__.pop(name, None)
             else:

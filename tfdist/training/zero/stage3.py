@@ -20,10 +20,12 @@ from typing import Any, Iterator, Optional
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 from tensorflow.python.ops import gen_resource_variable_ops
 
 from tfdist.distribute.backend import tf_variable
 from tfdist.errors import UserError
+from tfdist.training.controller import Preempted
 from tfdist.training.zero import gathering
 from tfdist.training.zero.layout import Bucket, variable_size
 from tfdist.training.zero.sharded import ShardedOptimizer, _component
@@ -150,21 +152,37 @@ def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, fun
         sharded.empty_shards()
         raise
     sharded.gathering = gather
+    alike = False  # Whether every task leaves the block the same way (the gather back is a collective).
     try:
         sharded.free_whole()
         with gathering.wrapped(gather, functions), _readers_whole(sharded, controller, callbacks):
             try:
                 yield
+                alike = True
+            except Preempted:
+                alike = True  # Every task stopped together.
+                raise
             except Exception:
                 if gather.refusal is not None:  # As it was raised, not as Keras and autograph rewrote it.
+                    alike = True  # Every task traces the same step.
                     raise UserError(gather.refusal) from None
                 raise
     finally:
-        try:
-            sharded.gather_whole()
-        finally:
-            sharded.empty_shards()
-            sharded.gathering = None
+        sharded.gathering = None
+        _gather_back(sharded, alike)
+
+
+def _gather_back(sharded: Stage3Optimizer, alike: bool) -> None:
+    """The whole weights back into the model, and the shards emptied. A task of a multi-worker job that
+    stopped on its own error (its peers are not there to gather with: waiting for them would hang the job)
+    leaves its model's trainable variables empty and says so; the job resumes from its last checkpoint."""
+    if not alike and len(sharded.shards) != sharded.backend.num_replicas:
+        logging.error("tfdist: zero_stage=3: this task stopped on its own error while the weights were sharded "
+                      "over the workers, so they are not gathered back: this process's model holds no trainable "
+                      "weights now. Resume the job from its last checkpoint.")
+        return
+    sharded.gather_whole()  # (If it fails, the shards are kept: the only copy of the weights.)
+    sharded.empty_shards()
 
 
 @contextlib.contextmanager
@@ -188,6 +206,17 @@ _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "o
           "on_train_batch_end")
 
 
+_LEGACY = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}  # Keras calls them.
+
+
+def _defines(callback: Any, name: str) -> bool:
+    """Whether `callback` has a hook `name` of its own: its class's, an instance attribute (LambdaCallback), or
+    the legacy ``on_batch_*`` Keras' ``on_train_batch_*`` calls."""
+    from keras.src.utils.python_utils import is_default
+
+    return any(not is_default(getattr(callback, n)) for n in (name, _LEGACY.get(name)) if n and hasattr(callback, n))
+
+
 def _with_whole_weights(sharded: Stage3Optimizer, method: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         with whole_weights(sharded):
@@ -203,9 +232,7 @@ def _readers_whole(sharded: Stage3Optimizer, controller: Any, users: Any) -> Ite
     replaced: list = []
     if controller is not None:
         callbacks = controller.callbacks
-        targets = [(callbacks, name) for name in _HOOKS
-                   if any(getattr(type(c), name) is not getattr(keras.callbacks.Callback, name)
-                          for c in users or ())]
+        targets = [(callbacks, name) for name in _HOOKS if any(_defines(c, name) for c in users or ())]
         if getattr(controller.checkpoints, "manager", None) is not None:  # Saves only where a run dir is.
             targets.append((controller.checkpoints, "save"))
         if controller.validation is not None:
