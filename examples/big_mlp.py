@@ -1,15 +1,19 @@
-"""A model whose Adam state does not fit a worker's memory budget, trained by sharding that state (ZeRO).
+"""A model whose training state does not fit a worker's memory budget, trained by sharding it (ZeRO).
 
 A 4 x 4096 MLP: 50.4M float32 weights (201 MB); Adam's two moments are 403 MB more. Every data-parallel replica
-holds all of it; with ``ZERO_STAGE=2`` each of N replicas holds 1/N of the moments (docs/sharding.md).
+holds all of it; with ``ZERO_STAGE=2`` each of N replicas holds 1/N of the moments, with ``ZERO_STAGE=3`` also
+1/N of the weights, each layer's gathered just before its call (docs/sharding.md).
 
   tfdist-launch --num_workers=2 -- python examples/big_mlp.py                  # ZERO_STAGE=2 (the default)
   ZERO_STAGE=0 tfdist-launch --num_workers=2 -- python examples/big_mlp.py     # unsharded, for comparison
 
   CPU_REPLICAS=4 WIDTH=3072 python examples/big_mlp.py                       # one process of 4 CPU replicas
+  ZERO_STAGE=3 CPU_REPLICAS=4 DEPTH=16 WIDTH=2048 python examples/big_mlp.py  # 63.0M weights, stage 3
 
-Prints the process's peak resident memory. tests/test_examples.py runs the 4-replica process under a memory
-limit between the two: unsharded it is killed, sharded it trains.
+Prints the process's peak resident memory. tests/test_examples.py runs the 4-replica process under memory
+limits: at stage 2 under one between the two runs' peaks (unsharded it is killed, sharded it trains), and at
+stage 3 under one where a model of half the weights is killed unsharded and the 16-layer model above trains.
+Stage 3 gathers a layer at a time, so it saves the most when no one layer is a large part of the model.
 """
 
 import os

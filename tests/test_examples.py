@@ -136,3 +136,29 @@ def test_big_mlp_is_killed_unsharded_and_trains_sharded_under_one_memory_limit()
     trained, _, used = _in_memory_cgroup(limit, sharded, "sharded")
     assert trained.returncode == 0, (limit, used, trained.stderr[-3000:])
     assert re.search(r"zero_stage=2 params=28351498 loss=\d", trained.stdout)
+
+
+# Stage 3 (issue 41, "a model that does not fit"): 16 layers, so that one layer's gather is a small part of the
+# model. 62,965,770 weights at width 2048; at width 1440 31,140,010, less than half of them.
+BIG_MLP_STAGE3 = {"CPU_REPLICAS": "4", "DEPTH": "16", "WIDTH": "2048", "STEPS": "2", "ZERO_STAGE": "3"}
+HALF_UNSHARDED = {**BIG_MLP_STAGE3, "WIDTH": "1440", "ZERO_STAGE": "0"}
+
+
+@pytest.mark.skipif(not os.access(MEMORY_CGROUP, os.W_OK),
+                    reason="needs a writable cgroup-v1 memory controller (root) to give a process a memory limit")
+def test_big_mlp_stage3_trains_twice_the_largest_model_that_trains_unsharded_under_one_memory_limit():
+    """One process of 4 CPU replicas. The limit: the stage-3 run's own cgroup peak plus 192 MB. Under it the
+    unsharded run of a model with less than half the weights is killed, so the largest model that trains
+    unsharded under it has less than half the weights of the stage-3 model, which trains. Measured
+    (scripts/zero3_fit_limit.py): stage 3 peaks at ~2490 MB, the half model unsharded at ~2980 MB. Were stage 3
+    to keep whole weights (4 copies, and the gradient of each), it would peak above the half model unsharded and
+    the limit would let that run train."""
+    measured, _, peak = _in_memory_cgroup(2 ** 62, BIG_MLP_STAGE3, "stage3-measure")
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    limit = peak + 192 * 2 ** 20
+    unsharded, hits, _ = _in_memory_cgroup(limit, HALF_UNSHARDED, "half-unsharded")
+    assert unsharded.returncode == -9 and hits > 0, (peak, unsharded.returncode, unsharded.stderr[-2000:])
+    assert "zero_stage=0" not in unsharded.stdout  # Killed before it finished.
+    trained, _, used = _in_memory_cgroup(limit, BIG_MLP_STAGE3, "stage3")
+    assert trained.returncode == 0, (limit, used, trained.stderr[-3000:])
+    assert re.search(r"zero_stage=3 params=62965770 loss=\d", trained.stdout), trained.stdout
