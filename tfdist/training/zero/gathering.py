@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
@@ -115,10 +115,10 @@ class _UnitScope(StatelessScope):
 
 
 def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: int, name: str,
-           absent: set, sparse: Callable[[int], None], reduced: Optional[list] = None) -> list:
+           absent: set, sparse: Callable[[int], None]) -> list:
     """The bucket's variables whole (`shapes`), all-gathered from every replica's [S/N] `part`; the gradient
     is reduce-scattered back to this replica's part (`absent` collects the variables given no gradient;
-    ``sparse(i)`` is told of a row-sparse one, which goes dense; `reduced` holds the last reduce-scatter)."""
+    ``sparse(i)`` is told of a row-sparse one, which goes dense)."""
     @tf.custom_gradient
     def run(shard: tf.Tensor) -> Any:
         whole = collectives.all_gather(backend, shard, replica, name)
@@ -132,10 +132,7 @@ def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: in
                 if isinstance(g, tf.IndexedSlices):
                     sparse(i)
                 dense.append(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g)
-            mine = collectives.reduce_scatter(backend, bucket.flatten(dense), replica, name + "_rs")
-            if reduced is not None:
-                reduced[:] = [mine]
-            return mine
+            return collectives.reduce_scatter(backend, bucket.flatten(dense), replica, name + "_rs")
         return pieces, grad
     return run(part)
 
@@ -169,7 +166,7 @@ class Gathering:
             # The variable itself: Keras' `value` would cast it to a mixed policy's compute dtype in a layer's call.
             part = getattr(shard.params[k], "_value", shard.params[k]).read_value()
             values = gather(sharded.backend, bucket, [tuple(v.shape) for v in variables], part, shard.replica,
-                            f"tfdist_zero3_{k}", self.absent, self.sparse, self.local.reduced)
+                            f"tfdist_zero3_{k}", self.absent, self.sparse)
             pairs += list(zip(variables, values))
         return pairs
 
@@ -224,12 +221,7 @@ class Gathering:
             for i, t in zip(at, tensors):
                 given[i] = t
             a, kw = tf.nest.pack_sequence_as((args, kwargs), given)
-            # Gathered once the unit's input exists; in the backward pass also once the layer after it has
-            # reduce-scattered its gradient, so one layer's gathered weights and gradient buffers exist at a
-            # time (else the executor gathered the next layer meanwhile: 2 workers, 4 x 4096 MLP, the step's
-            # allocator peak 757-863 MiB, above stage 2's 716).
-            after = list(tensors[:1]) + ([] if first else list(self.local.reduced))
-            with tf.control_dependencies(after):
+            with tf.control_dependencies(list(tensors[:1])):  # Gathered once the unit's input exists.
                 pairs = self.whole_weights(unit)
             scope = _UnitScope({**entry, **{id(v): t for v, t in pairs}})
             with scope, AutocastScope(cast_to):
@@ -285,7 +277,6 @@ class Gathering:
         calls gathering."""
         def run(*args: Any, **kwargs: Any) -> Any:
             self.local.active, self.local.calls, self.local.gathering = True, {}, self
-            self.local.reduced = []  # This trace's last reduce-scatter (`gather`).
             try:
                 return original(*args, **kwargs)
             finally:
