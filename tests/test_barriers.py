@@ -59,10 +59,11 @@ def test_a_worker_that_raises_after_fit_ends_the_job_within_30_s_naming_its_erro
     assert ended - fit_returned(output) < 30, output[-4000:]
     assert f"tfdist-launch: worker:{failing} exited with status 1: RuntimeError: task {failing} broke after fit. " \
            "Its last lines:" in output, output[-4000:]
-    other = 1 - failing  # Its collectives ended with the failed task's error, not a timeout.
-    assert re.search(rf"^\[worker:{other}\] .*Error reported from /job:worker/task:{failing}: tfdist task "
-                     rf"worker:{failing} failed: RuntimeError: task {failing} broke after fit", output, re.M), \
-        output[-4000:]
+    other = 1 - failing  # Its collectives ended with the failed task's error, not a timeout: as the coordination
+    # service reported it, or as the collective it was in was aborted with it (which, is timing: CI run 7).
+    assert re.search(rf"^\[worker:{other}\] .*(Error reported from /job:worker/task:{failing}|Collective ops is "
+                     rf"aborted by): tfdist task worker:{failing} failed: RuntimeError: task {failing} broke after fit",
+                     output, re.M), output[-4000:]
     assert "timed out" not in output, output[-4000:]
 
 
