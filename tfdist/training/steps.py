@@ -300,7 +300,7 @@ class StepFunctions:
         reduce_each = self.zero is not None and self.zero.stage >= 2 and self.accum > 1
         present: list[int] = []
         for m, micro in enumerate(self._micro_batches(data)):
-            if grads is not None:  # One micro-batch at a time (below).
+            if grads is not None:  # One micro-batch at a time (`_after`).
                 micro = _after(grads, micro)
             x, y, sample_weight = _unpack(micro)
             g, d, _, b = self._forward_backward(x, y, sample_weight, total)
