@@ -285,14 +285,28 @@ class Gathering:
 
 
 @contextlib.contextmanager
-def wrapped(gathering: Gathering, functions: Any) -> Iterator[None]:
-    """The units' calls and the step's forward/backward replaced for the block; put back on every exit path."""
+def replacing() -> Iterator[Callable[[Any, str, Callable], None]]:
+    """``replace(obj, name, make)`` sets the instance attribute ``obj.name`` to ``make(obj.name)`` for the
+    block; on every exit path each is put back as it was (removed where ``obj`` had none of its own)."""
     replaced: list = []
 
     def replace(obj: Any, name: str, make: Callable) -> None:
         replaced.append((obj, name, obj.__dict__.get(name)))
         setattr(obj, name, make(getattr(obj, name)))
     try:
+        yield replace
+    finally:
+        for obj, name, own in reversed(replaced):
+            if own is None:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = own
+
+
+@contextlib.contextmanager
+def wrapped(gathering: Gathering, functions: Any) -> Iterator[None]:
+    """The units' calls and the step's forward/backward replaced for the block; put back on every exit path."""
+    with replacing() as replace:
         for unit in gathering.units:
             replace(unit, "call", lambda call, unit=unit: gathering.replacement(unit, call))
         model = gathering.model
@@ -301,9 +315,3 @@ def wrapped(gathering: Gathering, functions: Any) -> Iterator[None]:
         replace(model, "_compute_loss", lambda method: gathering.guarded(method, "compute_loss"))
         replace(functions, "_forward_backward", gathering.forward_backward)
         yield
-    finally:
-        for obj, name, own in reversed(replaced):
-            if own is None:
-                obj.__dict__.pop(name, None)
-            else:
-                obj.__dict__[name] = own

@@ -229,26 +229,17 @@ def _readers_whole(sharded: Stage3Optimizer, controller: Any, users: Any) -> Ite
     """Validation, checkpoint saves and the hooks the user's callbacks define (each costs a gather of the
     weights and a copy back into the shards) wrapped in `whole_weights` for the block. Decided from the user's
     callbacks, alike on every task (the chief runs more of them; the gather is a collective)."""
-    replaced: list = []
-    if controller is not None:
-        callbacks = controller.callbacks
-        targets = [(callbacks, name) for name in _HOOKS if any(_defines(c, name) for c in users or ())]
-        if getattr(controller.checkpoints, "manager", None) is not None:  # Saves only where a run dir is.
-            targets.append((controller.checkpoints, "save"))
-        if controller.validation is not None:
-            targets.append((controller.validation, "run"))
-        policy = getattr(controller, "checkpointing", None)
-        for obj, name in targets:
-            replaced.append((obj, name, obj.__dict__.get(name)))
-            setattr(obj, name, _with_whole_weights(sharded, getattr(obj, name)))
-        if policy is not None and hasattr(policy, "save"):  # The policy holds the bound save it was given.
-            replaced.append((policy, "save", policy.__dict__.get("save")))
-            policy.save = controller.checkpoints.save
-    try:
+    with gathering.replacing() as replace:
+        if controller is not None:
+            targets = [(controller.callbacks, name) for name in _HOOKS
+                       if any(_defines(c, name) for c in users or ())]
+            if getattr(controller.checkpoints, "manager", None) is not None:  # Saves only where a run dir is.
+                targets.append((controller.checkpoints, "save"))
+            if controller.validation is not None:
+                targets.append((controller.validation, "run"))
+            for obj, name in targets:
+                replace(obj, name, lambda method: _with_whole_weights(sharded, method))
+            policy = getattr(controller, "checkpointing", None)
+            if policy is not None and hasattr(policy, "save"):  # The policy holds the bound save it was given.
+                replace(policy, "save", lambda _: controller.checkpoints.save)
         yield
-    finally:
-        for obj, name, own in reversed(replaced):
-            if own is None:
-                obj.__dict__.pop(name, None)
-            else:
-                obj.__dict__[name] = own
