@@ -97,8 +97,15 @@ def main() -> None:
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--links", default="loopback,1gbit")
     parser.add_argument("--repeats", type=int, default=1, help="Alternating rounds of stages 0, 1, 2, 3.")
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="Which stages, e.g. 0,3.")
+    parser.add_argument("--malloc_tuned", action="store_true",
+                        help="Run the workers with MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=1048576 (glibc then "
+                             "keeps less freed heap, which peak RSS counts).")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "zero_memory.json"))
     args = parser.parse_args()
+    stages = tuple(int(s) for s in args.stages.split(","))
+    if args.malloc_tuned:
+        os.environ.update(MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_="1048576")
     if args.worker is not None:
         worker(args.worker)
         return
@@ -106,14 +113,14 @@ def main() -> None:
     runs = []
     for link in args.links.split(","):
         for _ in range(args.repeats):
-            for stage in STAGES:
+            for stage in stages:
                 rows = launch(stage, link)
                 runs.append({"link": link, "stage": stage, "workers": rows})
                 print(link, stage, rows, flush=True)
     summary = []
     for link in args.links.split(","):
         base = [r for r in runs if r["link"] == link and r["stage"] == 0]
-        for stage in STAGES:
+        for stage in stages:
             mine = [w for r in runs if r["link"] == link and r["stage"] == stage for w in r["workers"]]
             base_workers = [w for r in base for w in r["workers"]]
             peak, state = max(w["peak_rss_mb"] for w in mine), max(w["optimizer_state_mb"] for w in mine)
@@ -134,7 +141,7 @@ def main() -> None:
                             "saved_over_removed": round(saved / removed, 2) if removed else None,
                             "step_ms_median": step, "speed_vs_unsharded": round(base_step / step, 3)})
     out = {"machine": os.uname().nodename, "cores": os.cpu_count(), "model": f"{DEPTH} x {WIDTH} MLP, Adam",
-           "batch": BATCH, "steps_per_epoch": STEPS, "runs": runs, "summary": summary,
+           "batch": BATCH, "steps_per_epoch": STEPS, "malloc_tuned": args.malloc_tuned, "runs": runs, "summary": summary,
            "seconds": round(time.time() - started)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

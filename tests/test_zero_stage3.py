@@ -201,6 +201,11 @@ def _the_step_gathers_each_layer_and_reduce_scatters_its_gradient():
     gathering.collectives = counting
     try:
         tfdist_fit(lambda: mlp(OPTIMIZERS["sgd_momentum"]), x, y, 3, max_steps=2)
+        # The last two layers (243 of the largest's 204 x 1.25 weights) are kept gathered for the backward pass.
+        assert calls == {"gather": (3 + 1) * 2, "rs": 3 * 2}, calls
+        calls.update(gather=0, rs=0)
+        gathering.HOLD_FACTOR = 0  # None kept: every layer gathered again and recomputed.
+        tfdist_fit(lambda: mlp(OPTIMIZERS["sgd_momentum"]), x, y, 3, max_steps=2)
     finally:
         gathering.collectives = original
     # 3 layers, 2 replicas traced: forward + recomputation gathers, one reduce-scatter each.
@@ -254,6 +259,8 @@ def _batch_norm_statistics_are_updated_once_as_unsharded_and_keras():
     backward pass, whose own statistics writes are dropped (written twice, the moving statistics would move
     twice as far). Per-replica statistics: as unsharded, bit for bit; synchronized: as Keras (1e-5)."""
     from tests.batchnorm_model import TRAIN, X, Y, cnn
+    from tfdist.training.zero import gathering
+    gathering.HOLD_FACTOR = 0  # Every layer recomputed (none kept gathered for the backward pass).
 
     def fit(stage, **kwargs):
         s = strategy()
@@ -297,12 +304,16 @@ def dropout_model():
 def _dropout_in_a_recomputed_layer_draws_the_forward_passes_mask():
     """A redrawn mask in the recomputation would give gradients of another network than the loss's (and move
     the seed generator twice): the weights would differ from the unsharded run's."""
+    from tfdist.training.zero import gathering
     x, y = data()
     unsharded, _ = tfdist_fit(dropout_model, x, y, 0)
+    held, _ = tfdist_fit(dropout_model, x, y, 3)  # Both layers kept gathered: Dropout runs once.
+    gathering.HOLD_FACTOR = 0  # Both recomputed.
     sharded, _ = tfdist_fit(dropout_model, x, y, 3)
     assert [b.indices for b in zero._SHARDED[sharded.optimizer].layout] == [(0, 1, 2, 3), (4, 5)]
-    for a, b in zip(sharded.get_weights(), unsharded.get_weights()):
+    for a, b, c in zip(sharded.get_weights(), unsharded.get_weights(), held.get_weights()):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(c, b)
     seeds = [v for v in sharded.variables if "seed_generator" in v.path]
     assert seeds and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                          zip(seeds, [v for v in unsharded.variables if "seed_generator" in v.path]))

@@ -7,7 +7,11 @@ path, `wrapped`). Inside a training step the replacement
 - all-gathers the unit's buckets (equal parts) once its inputs exist, and feeds the whole weights to the
   layer's own ``call`` through a Keras `StatelessScope` (``Variable.value`` returns the mapped tensor);
 - runs that gather and the call under ``tf.recompute_grad``: the tape keeps the unit's inputs and the shards,
-  not the whole weights; the backward pass gathers them again and recomputes the unit;
+  not the whole weights; the backward pass gathers them again and recomputes the unit. The last units (`held`,
+  at most `HOLD_FACTOR` times the largest unit's weights), with which the backward pass begins, keep their
+  gathered weights instead (FSDP's root unit, not resharded after its forward pass): no second gather;
+- in the forward pass, gathers a unit once the previous unit's input exists, so it overlaps that unit's
+  computation (prefetched one unit ahead);
 - the gather's custom gradient reduce-scatters the weights' gradient (all-to-all plus a local sum): a replica
   never holds the summed gradient of more than one layer at a time, nor any layer's weights between layers.
 Non-trainable state the unit writes (BatchNormalization's moving statistics, a seed generator's counter) is
@@ -29,7 +33,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope, get_statele
 from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
 from tfdist.errors import UserError
-from tfdist.training.zero import collectives
+from tfdist.training.zero import collectives, layout
 
 
 def units(model: keras.Model) -> list:
@@ -137,6 +141,25 @@ def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: in
     return run(part)
 
 
+HOLD_FACTOR = 1.25  # `held`: the trailing units kept gathered hold at most this times the largest unit's bytes.
+
+
+def held(found: list) -> set:
+    """The units kept gathered from the forward pass to their backward pass (no gather again, no recomputation):
+    the last ones in model order, while together they hold at most `HOLD_FACTOR` times the largest unit's
+    weights. The
+    backward pass begins with them, and a unit's own backward holds its gathered weights, their gradient and
+    the reduce-scatter's buffer: keeping them adds nothing to the step's peak."""
+    sizes = [sum(layout.variable_bytes(v) for v in unit.trainable_variables) for unit in found]
+    budget, total, kept = HOLD_FACTOR * max(sizes, default=0), 0, set()
+    for unit, size in zip(reversed(found), reversed(sizes)):
+        total += size
+        if total > budget:
+            break
+        kept.add(id(unit))
+    return kept
+
+
 class Gathering:
     """The call replacements of one stage-3 fit (`wrapped`); `active` while a training step is traced."""
 
@@ -154,6 +177,8 @@ class Gathering:
             mine = {index[id(v)] for v in unit.trainable_variables}
             self.buckets[id(unit)] = [k for k, b in enumerate(sharded.layout) if set(b.indices) <= mine]
         self.absent: set = set()
+        self.held = held(self.units)
+
 
     def whole_weights(self, unit: Any) -> list:
         """The unit's weights whole, gathered (inside a replica step), as (variable, tensor) pairs."""
@@ -221,7 +246,12 @@ class Gathering:
             for i, t in zip(at, tensors):
                 given[i] = t
             a, kw = tf.nest.pack_sequence_as((args, kwargs), given)
-            with tf.control_dependencies(list(tensors[:1])):  # Gathered once the unit's input exists.
+            # Gathered once the unit's input exists; in the forward pass once the previous unit's does, so the
+            # gather overlaps that unit's computation (prefetched one unit ahead).
+            after = self.local.previous if first and self.local.previous is not None else list(tensors[:1])
+            if first:
+                self.local.previous = list(tensors[:1])
+            with tf.control_dependencies(after):
                 pairs = self.whole_weights(unit)
             scope = _UnitScope({**entry, **{id(v): t for v, t in pairs}})
             with scope, AutocastScope(cast_to):
@@ -243,8 +273,8 @@ class Gathering:
             return out
 
         tensors = [leaves[i] for i in at]
-        if not tensors:
-            return forward()
+        if not tensors or id(unit) in self.held:  # Kept gathered for the backward pass (`held`).
+            return forward(*tensors)
         return tf.recompute_grad(forward)(*tensors)  # Graph-mode custom gradients take positional tensors.
 
     def guarded(self, original: Callable, name: str = "call") -> Callable:
@@ -277,6 +307,7 @@ class Gathering:
         calls gathering."""
         def run(*args: Any, **kwargs: Any) -> Any:
             self.local.active, self.local.calls, self.local.gathering = True, {}, self
+            self.local.previous = None  # The input of the unit the forward pass ran last.
             try:
                 return original(*args, **kwargs)
             finally:

@@ -1,7 +1,7 @@
 """Stage 3 (`tfdist.fit(zero_stage=3)`): the trainable weights themselves in equal flat shards during fit.
 
-`Stage3Optimizer` is stage 1/2's `ShardedOptimizer` with one bucket per layer (`gathering.units`) whose
-weight shards are the truth while fit runs: a step differentiates the loss by this replica's shards (the
+`Stage3Optimizer` is stage 1/2's `ShardedOptimizer` with buckets per layer (`gathering.units`; a variable of
+1 MiB or more alone, `plan_layout`) whose weight shards are the truth while fit runs: a step differentiates the loss by this replica's shards (the
 layers' gathers reduce-scatter the gradient, `gathering`), the clone of the user's optimizer updates them, and
 nothing is gathered back into the model after the update.
 
@@ -27,8 +27,11 @@ from tfdist.distribute.backend import tf_variable
 from tfdist.errors import UserError
 from tfdist.training.controller import Preempted
 from tfdist.training.zero import gathering
-from tfdist.training.zero.layout import Bucket, variable_size
+from tfdist.training.zero.layout import Bucket, variable_bytes, variable_size
 from tfdist.training.zero.sharded import ShardedOptimizer, _component
+
+
+ALONE_BYTES = 1 << 20  # A variable this large is gathered and reduce-scattered alone (`plan_layout`).
 
 
 class Stage3Optimizer(ShardedOptimizer):
@@ -41,14 +44,19 @@ class Stage3Optimizer(ShardedOptimizer):
         super().__init__(model, backend, stage)
 
     def plan_layout(self, model: keras.Model) -> list:
+        """Each layer's variables of one dtype: a variable of `ALONE_BYTES` or more in a bucket of its own (its
+        gather is then its whole value and its gradient the reduce-scatter's input, without a concatenated
+        copy of either), the layer's smaller ones together."""
         index = {id(v): i for i, v in enumerate(self.variables)}
         buckets = []
         for unit in gathering.units(model):
             mine = [index[id(v)] for v in unit.trainable_variables]
             for dtype in sorted({self.variables[i].dtype for i in mine}):
-                group = tuple(i for i in mine if self.variables[i].dtype == dtype)
-                buckets.append(Bucket(group, tuple(variable_size(self.variables[i]) for i in group),
-                                      tf.as_dtype(dtype), self.backend.num_replicas))
+                group = [i for i in mine if self.variables[i].dtype == dtype]
+                small = tuple(i for i in group if variable_bytes(self.variables[i]) < ALONE_BYTES)
+                runs = [(i,) for i in group if i not in small] + ([small] if small else [])
+                buckets += [Bucket(run, tuple(variable_size(self.variables[i]) for i in run), tf.as_dtype(dtype),
+                                   self.backend.num_replicas) for run in runs]
         return buckets
 
     def gradient_sources(self) -> list:
