@@ -249,11 +249,12 @@ def check_agreement(backend: Backend, plan: LoopPlan, step: int, precision: str,
 
 def _check_row_sparse(model: keras.Model, inner: Any, stage: int) -> None:
     """Stages 1 and 2 reduce-scatter an Embedding's row-sparse gradient dense: exact where Keras' optimizer
-    also updates from it as from its dense form (SGD, with or without momentum, or a clipped gradient, which
-    Keras densifies; measured 4e-8 from Keras). Keras' Adam, RMSprop and the other slots otherwise move only
-    the rows a batch touches (stage 1 ended 0.029 from Keras after 20 steps with Adam, 0.066 with RMSprop).
-    Stage 3 checks each gradient as its step is traced (`gathering`)."""
-    if type(inner) is keras.optimizers.SGD or inner.clipnorm or inner.global_clipnorm:
+    also updates from it as from its dense form (SGD, with or without momentum, or a gradient clipped by
+    `global_clipnorm`, which Keras densifies; measured 6e-8 from Keras). Keras' Adam, RMSprop and the other
+    slots otherwise move only the rows a batch touches (stage 1 ended 0.029 from Keras after 20 steps with Adam,
+    0.066 with RMSprop, 0.056 with Adam and `clipnorm`, which keeps the gradient row-sparse). Stage 3 checks
+    each gradient as its step is traced (`gathering`)."""
+    if sparse_exact(inner):
         return
     tables = [layer.name for layer in model._flatten_layers()
               if isinstance(layer, keras.layers.Embedding) and layer.trainable]
@@ -261,9 +262,14 @@ def _check_row_sparse(model: keras.Model, inner: Any, stage: int) -> None:
         raise UserError(f"zero_stage={stage} cannot shard {type(inner).__name__} for the Embedding layer "
                         f"{tables[0]!r}: its gradient is row-sparse, Keras' {type(inner).__name__} updates the "
                         "state of the rows a batch touches only, and the reduce-scatter of flat shards carries "
-                        "the gradient dense, which would move every row's state. Use SGD, set clipnorm or "
-                        "global_clipnorm (Keras then updates from the dense gradient too), freeze the table, or "
-                        "use zero_stage=0 for this model.")
+                        "the gradient dense, which would move every row's state. Use SGD, set global_clipnorm "
+                        "(Keras then updates from the dense gradient too), freeze the table, or use "
+                        "zero_stage=0 for this model.")
+
+
+def sparse_exact(inner: Any) -> bool:
+    """Whether Keras' optimizer updates from a row-sparse gradient as from its dense form (`_check_row_sparse`)."""
+    return type(inner) is keras.optimizers.SGD or bool(inner.global_clipnorm)
 
 
 def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any = None,

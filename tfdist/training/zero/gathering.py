@@ -200,19 +200,20 @@ class Gathering:
         return getattr(self.local, "active", False)
 
     def sparse(self, index: int) -> None:
-        """Refuses a row-sparse gradient (an Embedding's) unless the optimizer updates from its dense form as
-        Keras' does from the rows (plain SGD): Keras' Adam, momentum and norms treat the rows a batch does not
-        touch otherwise, and the flat shards carry the gradient dense."""
+        """Refuses a row-sparse gradient (an Embedding's) unless Keras' optimizer updates from it as from its
+        dense form (the rule of stages 1 and 2, `checks.sparse_exact`): Keras' Adam and the other slots move
+        only the rows a batch touches, and the flat shards carry the gradient dense."""
+        from tfdist.training.checks import sparse_exact
+
         clone = next(iter(self.sharded.shards.values())).optimizer
-        if type(clone) is keras.optimizers.SGD and not clone.momentum and not (clone.clipnorm or
-                                                                               clone.global_clipnorm):
+        if sparse_exact(clone):
             return
         variable = self.sharded.variables[index]
         raise _refuse(self.local, f"zero_stage=3 cannot shard {variable.path} with {type(clone).__name__}: its "
                       "gradient is row-sparse (an Embedding lookup), Keras' optimizer updates the moments (or "
                       "norms) of the rows a batch touches only, and the reduce-scatter of flat shards carries "
-                      "the gradient dense, which would move every row's. Use plain SGD, or zero_stage=0 for "
-                      "this model.")
+                      "the gradient dense, which would move every row's. Use SGD, set global_clipnorm (Keras then "
+                      "updates from the dense gradient too), or zero_stage=0 for this model.")
 
     def replacement(self, unit: Any, original: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
