@@ -3,7 +3,8 @@
   python tests/programs/zero_job.py OUT STRATEGY STAGE STEPS [WORKDIR]
 
 STRATEGY: a `tfdist.make_strategy` name, or ``mirrored:N`` (N in-process replicas, collective ops).
-TFDIST_TEST_BUCKET_BYTES: the bucket size; TFDIST_TEST_ACCUM: grad_accum_steps (2).
+TFDIST_TEST_BUCKET_BYTES: the bucket size; TFDIST_TEST_ACCUM: grad_accum_steps (2); TFDIST_TEST_UNEVEN_HOOKS:
+first a fit in which worker 1 alone has a callback with a batch hook (its refusal written to OUT/refused{N}.txt).
 
 Trains `tests.zero_model.model()` on `tests.zero_model.data()` for STEPS steps in all (resuming from WORKDIR's
 checkpoint when there is one, saving every 5 steps), then writes OUT/task{N}.npz: its weights and the
@@ -38,6 +39,17 @@ def main() -> None:
         model = job.model()
     x, y = job.data()
     accum = int(os.environ.get("TFDIST_TEST_ACCUM", "2"))
+    if os.environ.get("TFDIST_TEST_UNEVEN_HOOKS"):
+        import keras
+
+        index = strategies.current_backend().worker_index
+        hook = [keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)] if index == 1 else []
+        try:
+            train(model, x, y, batch_size=job.BATCH, max_steps=steps, verbose=0, zero_stage=stage, export=(),
+                  callbacks=hook)
+        except tfdist.UserError as error:
+            with open(os.path.join(out, f"refused{index}.txt"), "w") as f:
+                f.write(str(error))
     result = train(model, x, y, batch_size=job.BATCH, epochs=1, max_steps=steps, shuffle=False, verbose=0,
                    zero_stage=stage, grad_accum_steps=accum, workdir=workdir, checkpoint_every_steps=5, export=())
     index = strategies.current_backend().worker_index

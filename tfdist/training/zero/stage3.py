@@ -153,6 +153,7 @@ def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, fun
     if not isinstance(sharded, Stage3Optimizer):
         yield
         return
+    _check_hooks_alike(sharded, callbacks)
     gather = gathering.Gathering(sharded, model)
     try:
         sharded.shard_in()
@@ -225,6 +226,29 @@ def _defines(callback: Any, name: str) -> bool:
     return any(not is_default(getattr(callback, n)) for n in (name, _LEGACY.get(name)) if n and hasattr(callback, n))
 
 
+def _hooks(users: Any) -> list[str]:
+    """The hooks of `_HOOKS` the user's callbacks define (each gathers the weights whole: a collective)."""
+    return [name for name in _HOOKS if any(_defines(c, name) for c in users or ())]
+
+
+def _check_hooks_alike(sharded: Stage3Optimizer, users: Any) -> None:
+    """Every task of a multi-worker job must gather for the same hooks (else one waits in a gather its peers
+    never join): one small gather of each task's hooks before any step; a mismatch fails every task alike."""
+    backend = sharded.backend
+    if len(sharded.shards) == backend.num_replicas:  # One process: one list of callbacks.
+        return
+    mine = sum(1 << k for k, name in enumerate(_HOOKS) if name in _hooks(users))
+    table = backend.gather_from_tasks(np.array([backend.worker_index, mine], np.int64)).reshape(-1, 2)
+    if len({int(row[1]) for row in table}) == 1:
+        return
+    which = "; ".join(f"worker {int(row[0])}: {', '.join(n for k, n in enumerate(_HOOKS) if int(row[1]) >> k & 1)}"
+                      f"{'' if int(row[1]) else 'none'}" for row in table)
+    raise UserError("zero_stage=3 gathers the whole weights for every hook the callbacks define (a collective every "
+                    f"worker joins), and the workers were given callbacks with different hooks ({which}): one would "
+                    "wait in a gather the others never start. Give every worker the same callbacks (one meant for "
+                    "the chief alone can be given to all and check the task index inside its hooks).")
+
+
 def _with_whole_weights(sharded: Stage3Optimizer, method: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         with whole_weights(sharded):
@@ -239,8 +263,7 @@ def _readers_whole(sharded: Stage3Optimizer, controller: Any, users: Any) -> Ite
     callbacks, alike on every task (the chief runs more of them; the gather is a collective)."""
     with gathering.replacing() as replace:
         if controller is not None:
-            targets = [(controller.callbacks, name) for name in _HOOKS
-                       if any(_defines(c, name) for c in users or ())]
+            targets = [(controller.callbacks, name) for name in _hooks(users)]
             if getattr(controller.checkpoints, "manager", None) is not None:  # Saves only where a run dir is.
                 targets.append((controller.checkpoints, "save"))
             if controller.validation is not None:
