@@ -2,7 +2,7 @@
 through faults.
 
 An optimizer without state (plain SGD) writes and reads its shard files; a checkpoint whose shards do not
-read back whole is skipped for the one before; a 3-worker sharded job that loses a worker to SIGKILL shrinks
+read back whole is skipped for the one before; a 3-worker stage-3 job that loses a worker to SIGKILL shrinks
 to 2 as the unsharded job does (tests/test_elastic.py: the same undisturbed runs); a worker SIGKILLed while it
 writes its shard of step 15 leaves ckpt-15 unrecorded, and the job resumes from ckpt-10 to Keras' weights.
 Float32, fixed batches.
@@ -95,13 +95,16 @@ def test_a_checkpoint_whose_shards_do_not_read_back_whole_is_skipped_for_the_one
 
 @pytest.mark.jobs
 def test_a_sharded_job_that_loses_a_worker_shrinks_as_the_unsharded_job(tmp_path, elastic_references):
-    """tests/test_elastic.py's shrink with --zero_stage=2: the same relaunch, membership and resumed step, within
-    1e-4 of the same undisturbed unsharded runs on 3 and 2 replicas; shards of 3 replicas up to the step it
-    resumed from, of 2 after it (every checkpoint kept)."""
-    job = shrinking_job(tmp_path, "--zero_stage=2", "--keep_checkpoints=4")
+    """tests/test_elastic.py's shrink with --zero_stage=3 (each layer's weights in thirds, then halves; the
+    relaunched workers take their shards from the checkpoint's whole weights): the same relaunch, membership and
+    resumed step, within 1e-4 of the same undisturbed unsharded runs on 3 and 2 replicas; shards of 3 replicas up
+    to the step it resumed from, of 2 after it (every checkpoint kept). Stage 2's shards resuming on another
+    count: tests/test_zero.py."""
+    job = shrinking_job(tmp_path, "--zero_stage=3", "--keep_checkpoints=4")
     resumed = assert_shrunk_to_the_same_weights(job, tmp_path / "w", elastic_references)
     checkpoints = tmp_path / "w" / "checkpoints"
     assert json.loads((tmp_path / "w" / "plan.json").read_text())["sharded_optimizer_state"]
+    assert json.loads((tmp_path / "w" / "metrics.json").read_text())["zero_stage"] == 3
     for step in (10, 20, 30, 40):
         assert shard_files(checkpoints, step) == (replicas_of(3 if step <= resumed else 2), []), step
 
