@@ -620,7 +620,7 @@ def test_two_workers_train_as_unsharded_and_as_keras(tmp_path):
         weights = [[t[f"arr_{k}"] for k in range(6)] for t in tasks]
         if uneven:
             for i in range(2):
-                assert "the workers were given callbacks with different hooks (worker 0: none; worker 1: " \
+                assert "and the workers were given callbacks with different hooks (worker 0: none; worker 1: " \
                     "on_train_batch_end)" in (out / f"refused{i}.txt").read_text()
         for a, b in zip(*weights):  # Both workers end with the same whole model.
             np.testing.assert_array_equal(a, b)

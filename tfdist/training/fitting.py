@@ -29,7 +29,7 @@ from tfdist.training.controller import Controller, LoopOptions, LoopResult
 from tfdist.training.plan import LoopPlan
 from tfdist.training import steps as steps_lib
 from tfdist.training.steps import StepFunctions
-from tfdist.training.zero import stage3
+from tfdist.training.zero import handover, stage3
 
 
 def fit(
@@ -90,8 +90,10 @@ def train(model: keras.Model, x: Any = None, y: Any = None, **arguments: Any) ->
         backend.broadcast_initial_state(list(model.variables) + custom_steps.optimizer_variables(model))
         optimizer_state = zero.state_report(call.zero, backend)
         controller = _controller(call, backend, plan, source, functions, checkpoints, rundir, validation)
-        # Stage 3: the weights in shards meanwhile.
-        with stage3.sharded_weights(call.zero, model, functions, controller, call.callbacks):
+        # Stage 3: the weights in shards meanwhile; a user's optimizer built before: its slots freed meanwhile.
+        stage3.check_tasks_alike(call.zero, call.callbacks)
+        with handover.handed_over(call.zero, controller, call.callbacks), \
+                stage3.sharded_weights(call.zero, model, functions, controller, call.callbacks):
             result = controller.run(start_step)
         result.optimizer_state = optimizer_state
         if call.zero is not None and call.zero.loss_scale:

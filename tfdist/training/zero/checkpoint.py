@@ -172,31 +172,7 @@ def _slot_key(path: str, optimizer_name: str, paths: Sequence[str]) -> str:
 
 
 def seed_from(sharded: Any, user: Any, inner: Any) -> None:
-    """A user's optimizer already built (a loaded model, an earlier Keras fit) hands over its state: each
-    shard takes its slices of the user's per-variable state, and its global state."""
-    if not getattr(inner, "built", False):
-        return
-    own = {id(inner._iterations), id(inner._learning_rate)}
-    state = [v for v in inner.variables if id(v) not in own]
-    paths = [v.path for v in sharded.variables]
-    built, ordinal = {}, 0
-    for variable in state:
-        key = _slot_key(variable.path, inner.name, paths)
-        if not re.match(r"var\d+_", key):
-            key, ordinal = f"global_{ordinal}", ordinal + 1
-        built[key] = variable
-    if sharded.loss_scale and getattr(user, "built", False):
-        built["loss_scale.dynamic_scale"] = user.dynamic_scale
-        built["loss_scale.step_counter"] = user.step_counter
-    for shard in sharded.shards.values():
-        for key, variable in shard.slots().items():
-            match = re.fullmatch(r"b(\d+)_(.+)", key)
-            if match:
-                bucket, slot = sharded.layout[int(match.group(1))], match.group(2)
-                names = [f"var{i}_{slot}" for i in bucket.indices]
-                if all(n in built and tuple(built[n].shape) == tuple(sharded.variables[i].shape)
-                       for n, i in zip(names, bucket.indices)):
-                    variable.assign(bucket.owned_part(shard.replica, [tf.convert_to_tensor(built[n])
-                                                                     for n in names]))
-            elif key in built and tuple(built[key].shape) == tuple(variable.shape):
-                variable.assign(tf.cast(tf.convert_to_tensor(built[key]), variable.dtype))
+    """A user's optimizer already built (a loaded model, an earlier Keras fit) hands over its state to the
+    shards; its life cycle during the fit is `handover`'s."""
+    from tfdist.training.zero import handover
+    handover.seed_from(sharded, user, inner)

@@ -153,7 +153,6 @@ def sharded_weights(sharded: Optional[ShardedOptimizer], model: keras.Model, fun
     if not isinstance(sharded, Stage3Optimizer):
         yield
         return
-    _check_hooks_alike(sharded, callbacks)
     gather = gathering.Gathering(sharded, model)
     try:
         sharded.shard_in()
@@ -231,22 +230,39 @@ def _hooks(users: Any) -> list[str]:
     return [name for name in _HOOKS if any(_defines(c, name) for c in users or ())]
 
 
-def _check_hooks_alike(sharded: Stage3Optimizer, users: Any) -> None:
-    """Every task of a multi-worker job must gather for the same hooks (else one waits in a gather its peers
-    never join): one small gather of each task's hooks before any step; a mismatch fails every task alike."""
+def check_tasks_alike(sharded: Optional[ShardedOptimizer], users: Any) -> None:
+    """Before any step of a sharded fit on several workers: every task must gather in the same hooks (stage 3:
+    each hook the callbacks define gathers the weights; a user's optimizer built before fit: the hooks in which
+    ModelCheckpoint and BackupAndRestore save gather its state, `handover`), and hand a built optimizer's state
+    over alike (its give-back is a gather too), else one task waits in a gather its peers never start. One small
+    gather of each task's figures; a mismatch fails every task alike, with one paragraph."""
+    from tfdist.training.zero import handover
+
+    if sharded is None or len(sharded.shards) == sharded.backend.num_replicas:  # One process: one list.
+        return
+    names = list(_HOOKS)
+    mine = _hooks(users) if isinstance(sharded, Stage3Optimizer) else []
+    handed = getattr(sharded, "handed_over", None) is not None
+    if handed:
+        mine = sorted(set(mine) | set(handover._hooks(users)))
     backend = sharded.backend
-    if len(sharded.shards) == backend.num_replicas:  # One process: one list of callbacks.
+    row = [backend.worker_index, sum(1 << names.index(n) for n in mine), int(handed)]
+    table = backend.gather_from_tasks(np.array(row, np.int64)).reshape(-1, 3)
+    if len({(int(r[1]), int(r[2])) for r in table}) == 1:
         return
-    mine = sum(1 << k for k, name in enumerate(_HOOKS) if name in _hooks(users))
-    table = backend.gather_from_tasks(np.array([backend.worker_index, mine], np.int64)).reshape(-1, 2)
-    if len({int(row[1]) for row in table}) == 1:
-        return
-    which = "; ".join(f"worker {int(row[0])}: {', '.join(n for k, n in enumerate(_HOOKS) if int(row[1]) >> k & 1)}"
-                      f"{'' if int(row[1]) else 'none'}" for row in table)
-    raise UserError("zero_stage=3 gathers the whole weights for every hook the callbacks define (a collective every "
-                    f"worker joins), and the workers were given callbacks with different hooks ({which}): one would "
-                    "wait in a gather the others never start. Give every worker the same callbacks (one meant for "
-                    "the chief alone can be given to all and check the task index inside its hooks).")
+    if len({int(r[2]) for r in table}) > 1:
+        built = ", ".join(f"worker {int(r[0])}" for r in table if r[2])
+        raise UserError(f"zero_stage={sharded.stage}: the model's optimizer was built before fit on some workers "
+                        f"only ({built}), whose state each hands over to the shards and gathers back at the end (a "
+                        "collective the others would not join). Build or load the model the same way on every "
+                        "worker.")
+    which = "; ".join(f"worker {int(r[0])}: {', '.join(n for k, n in enumerate(names) if int(r[1]) >> k & 1) or 'none'}"
+                      for r in table)
+    raise UserError(f"zero_stage={sharded.stage} gathers the whole weights or optimizer state in the hooks the "
+                    f"callbacks define (a collective every worker joins), and the workers were given callbacks with "
+                    f"different hooks ({which}): one would wait in a gather the others never start. Give every "
+                    "worker the same callbacks (one meant for the chief alone can be given to all and check the task "
+                    "index inside its hooks).")
 
 
 def _with_whole_weights(sharded: Stage3Optimizer, method: Any) -> Any:
