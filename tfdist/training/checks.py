@@ -249,27 +249,30 @@ def check_agreement(backend: Backend, plan: LoopPlan, step: int, precision: str,
 
 def _check_row_sparse(model: keras.Model, inner: Any, stage: int) -> None:
     """Stages 1 and 2 reduce-scatter an Embedding's row-sparse gradient dense: exact where Keras' optimizer
-    also updates from it as from its dense form (SGD, with or without momentum, or a gradient clipped by
-    `global_clipnorm`, which Keras densifies; measured 6e-8 from Keras). Keras' Adam, RMSprop and the other
-    slots otherwise move only the rows a batch touches (stage 1 ended 0.029 from Keras after 20 steps with Adam,
-    0.066 with RMSprop, 0.056 with Adam and `clipnorm`, which keeps the gradient row-sparse). Stage 3 checks
-    each gradient as its step is traced (`gathering`)."""
+    also updates from it as from its dense form (SGD, with or without momentum, unclipped; measured 3e-8 from
+    Keras). Keras' Adam, RMSprop and the other slots otherwise move only the rows a batch touches (stage 1
+    ended 0.029 from Keras after 20 steps with Adam, 0.066 with RMSprop), and Keras clips the rows as they
+    come, a repeated id's apart, where the dense gradient has summed them (a norm or value clip that triggers:
+    4e-5 to 2e-3 from Keras). Stage 3 checks each gradient as its step is traced (`gathering`)."""
     if sparse_exact(inner):
         return
     tables = [layer.name for layer in model._flatten_layers()
               if isinstance(layer, keras.layers.Embedding) and layer.trainable]
     if tables:
         raise UserError(f"zero_stage={stage} cannot shard {type(inner).__name__} for the Embedding layer "
-                        f"{tables[0]!r}: its gradient is row-sparse, Keras' {type(inner).__name__} updates the "
-                        "state of the rows a batch touches only, and the reduce-scatter of flat shards carries "
-                        "the gradient dense, which would move every row's state. Use SGD, set global_clipnorm "
-                        "(Keras then updates from the dense gradient too), freeze the table, or use "
-                        "zero_stage=0 for this model.")
+                        f"{tables[0]!r}: {SPARSE_WHY} Use keras.optimizers.SGD (momentum too) without clipping, "
+                        "freeze the table, or use zero_stage=0 for this model.")
+
+
+SPARSE_WHY = ("its gradient is row-sparse, and Keras updates from the rows a batch touches (an optimizer's slots "
+              "move for those rows only; a clip counts a repeated id's rows apart), while the reduce-scatter of "
+              "flat shards carries the gradient dense (repeated ids summed, every row's state moved).")
 
 
 def sparse_exact(inner: Any) -> bool:
-    """Whether Keras' optimizer updates from a row-sparse gradient as from its dense form (`_check_row_sparse`)."""
-    return type(inner) is keras.optimizers.SGD or bool(inner.global_clipnorm)
+    """Whether Keras' optimizer updates from a row-sparse gradient as from its dense form (`_check_row_sparse`):
+    keras.optimizers.SGD itself (momentum too), unclipped."""
+    return type(inner) is keras.optimizers.SGD and not (inner.clipnorm or inner.global_clipnorm or inner.clipvalue)
 
 
 def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any = None,

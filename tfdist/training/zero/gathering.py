@@ -144,6 +144,19 @@ def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: in
 HOLD_FACTOR = 1.25  # `held`: the trailing units kept gathered hold at most this times the largest unit's bytes.
 
 
+def _in_call_order(model: keras.Model) -> bool:
+    """Whether the model's layers (`units` walks) are in the order its forward pass calls them: a Sequential or
+    functional model, nested ones alike. A subclassed model's layers are in the order its attributes were set,
+    which its call may not follow: `held` then keeps none (a unit kept gathered from the start of the forward
+    pass would hold its weights through all of it)."""
+    from keras.src.models.functional import Functional
+
+    if not isinstance(model, (keras.Sequential, Functional)):
+        return False
+    return all(_in_call_order(layer) for layer in model.layers
+               if isinstance(layer, keras.Model) and not layer._trainable_variables)
+
+
 def held(found: list) -> set:
     """The units kept gathered from the forward pass to their backward pass (no gather again, no recomputation):
     the last ones in model order, while together they hold at most `HOLD_FACTOR` times the largest unit's
@@ -177,7 +190,7 @@ class Gathering:
             mine = {index[id(v)] for v in unit.trainable_variables}
             self.buckets[id(unit)] = [k for k, b in enumerate(sharded.layout) if set(b.indices) <= mine]
         self.absent: set = set()
-        self.held = held(self.units)
+        self.held = held(self.units) if _in_call_order(model) else set()
 
 
     def whole_weights(self, unit: Any) -> list:
@@ -203,22 +216,25 @@ class Gathering:
         """Refuses a row-sparse gradient (an Embedding's) unless Keras' optimizer updates from it as from its
         dense form (the rule of stages 1 and 2, `checks.sparse_exact`): Keras' Adam and the other slots move
         only the rows a batch touches, and the flat shards carry the gradient dense."""
-        from tfdist.training.checks import sparse_exact
+        from tfdist.training.checks import SPARSE_WHY, sparse_exact
 
         clone = next(iter(self.sharded.shards.values())).optimizer
         if sparse_exact(clone):
             return
         variable = self.sharded.variables[index]
-        raise _refuse(self.local, f"zero_stage=3 cannot shard {variable.path} with {type(clone).__name__}: its "
-                      "gradient is row-sparse (an Embedding lookup), Keras' optimizer updates the moments (or "
-                      "norms) of the rows a batch touches only, and the reduce-scatter of flat shards carries "
-                      "the gradient dense, which would move every row's. Use SGD, set global_clipnorm (Keras then "
-                      "updates from the dense gradient too), or zero_stage=0 for this model.")
+        raise _refuse(self.local, f"zero_stage=3 cannot shard {variable.path} with {type(clone).__name__}: "
+                      f"{SPARSE_WHY} Use keras.optimizers.SGD (momentum too) without clipping, or zero_stage=0 for "
+                      "this model.")
 
     def replacement(self, unit: Any, original: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
             if not self.active:
                 return original(*args, **kwargs)
+            if tf.compat.v1.get_default_graph() is not self.local.graph:
+                raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: the model calls it inside "
+                              "a conditional or a loop of its own (keras.ops.cond, while_loop), where the gather "
+                              "of its weights and their recomputed backward pass cannot run. Call it outside, or "
+                              "use zero_stage=2.")
             calls = self.local.calls
             calls[id(unit)] = calls.get(id(unit), 0) + 1
             if calls[id(unit)] > 1:
@@ -309,6 +325,7 @@ class Gathering:
         def run(*args: Any, **kwargs: Any) -> Any:
             self.local.active, self.local.calls, self.local.gathering = True, {}, self
             self.local.previous = None  # The input of the unit the forward pass ran last.
+            self.local.graph = tf.compat.v1.get_default_graph()  # A unit called in another (a cond's) is refused.
             try:
                 return original(*args, **kwargs)
             finally:

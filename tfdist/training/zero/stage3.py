@@ -247,7 +247,7 @@ def check_tasks_alike(sharded: Optional[ShardedOptimizer], users: Any) -> None:
         mine = sorted(set(mine) | set(handover._hooks(users)))
     backend = sharded.backend
     row = [backend.worker_index, sum(1 << names.index(n) for n in mine), int(handed)]
-    table = backend.gather_from_tasks(np.array(row, np.int64)).reshape(-1, 3)
+    table = sorted({tuple(int(v) for v in r) for r in backend.gather_from_tasks(np.array(row, np.int64)).reshape(-1, 3)})
     if len({(int(r[1]), int(r[2])) for r in table}) == 1:
         return
     if len({int(r[2]) for r in table}) > 1:
