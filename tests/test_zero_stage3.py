@@ -201,7 +201,7 @@ def _the_step_gathers_each_layer_and_reduce_scatters_its_gradient():
     gathering.collectives = counting
     try:
         tfdist_fit(lambda: mlp(OPTIMIZERS["sgd_momentum"]), x, y, 3, max_steps=2)
-        # The last two layers (243 of the largest's 204 x 1.25 weights) are kept gathered for the backward pass.
+        # The last two layers are kept gathered for the backward pass (never the first: it is recomputed).
         assert calls == {"gather": (3 + 1) * 2, "rs": 3 * 2}, calls
         calls.update(gather=0, rs=0)
         gathering.HOLD_FACTOR = 0  # None kept: every layer gathered again and recomputed.
@@ -307,7 +307,7 @@ def _dropout_in_a_recomputed_layer_draws_the_forward_passes_mask():
     from tfdist.training.zero import gathering
     x, y = data()
     unsharded, _ = tfdist_fit(dropout_model, x, y, 0)
-    held, _ = tfdist_fit(dropout_model, x, y, 3)  # Both layers kept gathered: Dropout runs once.
+    held, _ = tfdist_fit(dropout_model, x, y, 3)  # The last layer kept gathered, the block recomputed.
     gathering.HOLD_FACTOR = 0  # Both recomputed.
     sharded, _ = tfdist_fit(dropout_model, x, y, 3)
     assert [b.indices for b in zero._SHARDED[sharded.optimizer].layout] == [(0, 1, 2, 3), (4, 5)]
