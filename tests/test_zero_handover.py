@@ -44,7 +44,18 @@ def test_the_slots_of_a_built_optimizer_are_freed_during_a_sharded_fit_and_given
     stage 1 has begun, TensorFlow's allocator holds about half the user's state less than before it (the whole
     moments freed, the half each replica owns in the shards), not the shards on top of the whole state; after
     it, the state is the user's again and the shards' copy is emptied. (MirroredStrategy's collective ops: its
-    reduce_to_one all-reduce keeps buffers allocated after the steps.)"""
+    reduce_to_one all-reduce keeps buffers allocated after the steps.) In a fresh process: a collective
+    strategy counts TensorFlow's instance keys from 100 again, and a key an earlier strategy of the process
+    (another test's, under pytest-xdist) used for another shape aborts the unsharded fit's all-reduce."""
+    from tests.conftest import subprocess_env
+    code = ("import tests.conftest; from tests.test_zero_handover import slots_freed_and_given_back; "
+            "slots_freed_and_given_back()")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def slots_freed_and_given_back() -> None:
     strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32")
     with strategy.scope():
         keras.utils.set_random_seed(1)
