@@ -26,7 +26,7 @@ WIDTH, DEPTH, BATCH, STEPS = 4096, 4, 64, 10
 STAGES = (0, 1, 2, 3)
 
 
-def worker(stage: int) -> None:
+def worker(stage: int, accum: int = 1) -> None:
     """One worker: trains and prints one JSON line of its figures."""
     import resource
 
@@ -65,6 +65,7 @@ def worker(stage: int) -> None:
     # Stage 3 without the callback: its hooks would have the weights gathered whole for them (`zero.stage3`),
     # which the peaks would then count; its figures are the whole run's.
     result = train(model, x, y, batch_size=BATCH, epochs=2, verbose=0, zero_stage=stage, steps_per_execution=STEPS,
+                   grad_accum_steps=accum,
                    export=(), callbacks=[peak] if stage < 3 else [])
     if stage >= 3:
         peak.figures = {"step_peak_mib": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2 ** 20)}
@@ -80,11 +81,11 @@ def worker(stage: int) -> None:
         "step_ms": round(1000 * result.epoch_seconds[-1] / STEPS, 1)}), flush=True)
 
 
-def launch(stage: int, link: str) -> list[dict]:
+def launch(stage: int, link: str, accum: int = 1) -> list[dict]:
     command = [sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2"]
     if link != "loopback":
         command.append(f"--link_rate={link}")
-    command += ["--", sys.executable, os.path.abspath(__file__), f"--worker={stage}"]
+    command += ["--", sys.executable, os.path.abspath(__file__), f"--worker={stage}", f"--grad_accum_steps={accum}"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=REPO)
     rows = [json.loads(m) for m in re.findall(r"ZERO (\{.*\})", run.stdout)]
     if not rows:
@@ -98,6 +99,9 @@ def main() -> None:
     parser.add_argument("--links", default="loopback,1gbit")
     parser.add_argument("--repeats", type=int, default=1, help="Alternating rounds of stages 0, 1, 2, 3.")
     parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="Which stages, e.g. 0,3.")
+    parser.add_argument("--grad_accum_steps", type=int, default=1,
+                        help="Micro-batches a step (the global batch split in them; stage 2 then accumulates only "
+                             "the owned slices, stage 1 the whole local gradient).")
     parser.add_argument("--malloc_tuned", action="store_true",
                         help="Run the workers with MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=1048576 (glibc then "
                              "keeps less freed heap, which peak RSS counts).")
@@ -107,14 +111,14 @@ def main() -> None:
     if args.malloc_tuned:
         os.environ.update(MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_="1048576")
     if args.worker is not None:
-        worker(args.worker)
+        worker(args.worker, args.grad_accum_steps)
         return
     started = time.time()
     runs = []
     for link in args.links.split(","):
         for _ in range(args.repeats):
             for stage in stages:
-                rows = launch(stage, link)
+                rows = launch(stage, link, args.grad_accum_steps)
                 runs.append({"link": link, "stage": stage, "workers": rows})
                 print(link, stage, rows, flush=True)
     summary = []
@@ -141,7 +145,8 @@ def main() -> None:
                             "saved_over_removed": round(saved / removed, 2) if removed else None,
                             "step_ms_median": step, "speed_vs_unsharded": round(base_step / step, 3)})
     out = {"machine": os.uname().nodename, "cores": os.cpu_count(), "model": f"{DEPTH} x {WIDTH} MLP, Adam",
-           "batch": BATCH, "steps_per_epoch": STEPS, "malloc_tuned": args.malloc_tuned, "runs": runs, "summary": summary,
+           "batch": BATCH, "steps_per_epoch": STEPS,
+           "grad_accum_steps": args.grad_accum_steps, "malloc_tuned": args.malloc_tuned, "runs": runs, "summary": summary,
            "seconds": round(time.time() - started)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
