@@ -18,6 +18,7 @@ import tfdist
 from tfdist.training.fitting import train
 from tfdist.training import zero
 from tfdist.training.zero import handover
+from tests.test_horovod import horovodrun, needs_horovod
 from tests.zero_model import BATCH, data, model
 
 MIRRORED = {"all_reduce": "reduce_to_one"}
@@ -141,11 +142,26 @@ def test_two_workers_give_the_trained_state_back_by_a_collective_gather(tmp_path
                              "tests/programs/zero_handover_job.py", str(tmp_path), "2"], capture_output=True,
                             text=True, timeout=300, cwd=REPO, env=subprocess_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    hold_keras_state(tmp_path)
+
+
+@needs_horovod
+def test_two_horovod_ranks_give_the_trained_state_back_by_an_allgather(tmp_path):
+    """As above under horovodrun, at stage 3 (hvd.allgather gives each rank the other's half of the state):
+    Keras' 20-step state on both ranks."""
+    result = horovodrun([sys.executable, os.path.join(REPO, "tests", "programs", "zero_handover_job.py"),
+                         str(tmp_path), "3", "horovod"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    hold_keras_state(tmp_path)
+
+
+def hold_keras_state(out) -> None:
+    """Each task's saved optimizer variables (tests/programs/zero_handover_job.py) are Keras' after 20 steps."""
     x, y = data()
     reference = model(lambda: keras.optimizers.Adam(0.01))
     reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     for task in range(2):
-        saved = np.load(tmp_path / f"task{task}.npz")
+        saved = np.load(out / f"task{task}.npz")
         close([saved[f"arr_{k}"] for k in range(len(saved.files))],
               [np.asarray(v) for v in reference.optimizer.variables], 1e-5)
 

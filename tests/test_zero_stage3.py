@@ -257,10 +257,11 @@ def _what_stage_3_cannot_gather_is_refused_before_any_step():
 def _batch_norm_statistics_are_updated_once_as_unsharded_and_keras():
     """A CNN with BatchNormalization at top level and in a nested model: each norm layer is recomputed in the
     backward pass, whose own statistics writes are dropped (written twice, the moving statistics would move
-    twice as far). Per-replica statistics: as unsharded, bit for bit; synchronized: as Keras (1e-5)."""
+    twice as far); or kept gathered from the forward pass (every unit but the first, at the default
+    `HOLD_FACTOR`: the model's layers are small), its statistics written by the forward pass alone. Per-replica
+    statistics: as unsharded, bit for bit; synchronized: as Keras (1e-5)."""
     from tests.batchnorm_model import TRAIN, X, Y, cnn
     from tfdist.training.zero import gathering
-    gathering.HOLD_FACTOR = 0  # Every layer recomputed (none kept gathered for the backward pass).
 
     def fit(stage, **kwargs):
         s = strategy()
@@ -271,12 +272,19 @@ def _batch_norm_statistics_are_updated_once_as_unsharded_and_keras():
         return net
     reference = cnn()
     reference.fit(X[TRAIN], Y[TRAIN], batch_size=8, shuffle=False, verbose=0)
-    for kwargs in ({}, {"sync_batchnorm": True}):
-        unsharded, sharded = fit(0, **kwargs), fit(3, **kwargs)
-        assert len(sharded.non_trainable_weights) == 4  # Two norm layers' moving mean and variance.
-        for a, b in zip(sharded.get_weights(), unsharded.get_weights()):
-            np.testing.assert_array_equal(a, b)
-        assert_left_alone(sharded)
+    unsharded = {}
+    for hold in (gathering.HOLD_FACTOR, 0):  # 0: every layer recomputed (none kept gathered).
+        gathering.HOLD_FACTOR = hold
+        for kwargs in ({}, {"sync_batchnorm": True}):
+            key = tuple(kwargs)
+            unsharded[key] = unsharded.get(key) or fit(0, **kwargs)
+            sharded = fit(3, **kwargs)
+            kept = gathering.held(gathering.units(sharded)) if hold else set()
+            assert len(kept) == (4 if hold else 0)  # Both norm layers among them.
+            assert len(sharded.non_trainable_weights) == 4  # Two norm layers' moving mean and variance.
+            for a, b in zip(sharded.get_weights(), unsharded[key].get_weights()):
+                np.testing.assert_array_equal(a, b)
+            assert_left_alone(sharded)
     for a, b in zip(sharded.get_weights(), reference.get_weights()):  # Moving statistics included.
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 

@@ -1,10 +1,11 @@
 """One task of a job whose user optimizer is built before a sharded fit, for tests/test_zero_handover.py.
 
-  python tests/programs/zero_handover_job.py OUT STAGE
+  python tests/programs/zero_handover_job.py OUT STAGE [STRATEGY]
 
 Sets the model and its Adam state to Keras' 10 steps (computed in this process on one device; Keras' own fit
 does not run under MultiWorkerMirroredStrategy), trains the next 10 batches with `tfdist.fit(zero_stage=STAGE)`,
-then writes OUT/task{N}.npz: the user's optimizer variables after the fit.
+then writes OUT/task{N}.npz: the user's optimizer variables after the fit. STRATEGY: a `tfdist.make_strategy`
+name (multi_worker_mirrored, the default, under tfdist-launch; horovod under horovodrun).
 """
 
 import os
@@ -22,7 +23,8 @@ from tfdist.distribute import strategies  # noqa: E402
 
 def main() -> None:
     out, stage = sys.argv[1], int(sys.argv[2])
-    strategy = tfdist.make_strategy("multi_worker_mirrored", precision="float32")  # Before any TensorFlow op.
+    name = sys.argv[3] if len(sys.argv) > 3 else "multi_worker_mirrored"
+    strategy = tfdist.make_strategy(name, precision="float32")  # Before any TensorFlow op.
     x, y = data()
     reference = model(lambda: keras.optimizers.Adam(0.01))
     reference.fit(x[:10 * BATCH], y[:10 * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
