@@ -145,6 +145,23 @@ def test_two_workers_give_the_trained_state_back_by_a_collective_gather(tmp_path
     hold_keras_state(tmp_path)
 
 
+@pytest.mark.jobs
+def test_two_workers_carry_a_stage_1_fits_state_over_to_a_stage_3_fit(tmp_path):
+    """2 MultiWorkerMirrored workers, Adam not built before: 10 steps at stage 1 (the state in its shards alone,
+    a layout stage 3 does not use), then 10 at stage 3: the state is gathered to each worker's optimizer in
+    between, and each ends with Keras' 20-step state and weights."""
+    from tests.conftest import subprocess_env
+
+    result = subprocess.run([sys.executable, "-m", "tfdist.cli.launch", "--num_workers=2", "--", sys.executable,
+                             "tests/programs/zero_handover_job.py", str(tmp_path), "1,3"], capture_output=True,
+                            text=True, timeout=300, cwd=REPO, env=subprocess_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reference = hold_keras_state(tmp_path)
+    for task in range(2):
+        saved = np.load(tmp_path / f"weights{task}.npz")
+        close([saved[f"arr_{k}"] for k in range(len(saved.files))], reference.get_weights(), 1e-5)
+
+
 @needs_horovod
 def test_two_horovod_ranks_give_the_trained_state_back_by_an_allgather(tmp_path):
     """As above under horovodrun, at stage 3 (hvd.allgather gives each rank the other's half of the state):
@@ -155,7 +172,7 @@ def test_two_horovod_ranks_give_the_trained_state_back_by_an_allgather(tmp_path)
     hold_keras_state(tmp_path)
 
 
-def hold_keras_state(out) -> None:
+def hold_keras_state(out) -> keras.Model:
     """Each task's saved optimizer variables (tests/programs/zero_handover_job.py) are Keras' after 20 steps."""
     x, y = data()
     reference = model(lambda: keras.optimizers.Adam(0.01))
@@ -164,6 +181,7 @@ def hold_keras_state(out) -> None:
         saved = np.load(out / f"task{task}.npz")
         close([saved[f"arr_{k}"] for k in range(len(saved.files))],
               [np.asarray(v) for v in reference.optimizer.variables], 1e-5)
+    return reference
 
 
 def test_a_task_that_holds_some_shards_gathers_them_back_and_one_that_stops_alone_gets_zeros(monkeypatch, caplog):

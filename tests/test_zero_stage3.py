@@ -329,6 +329,32 @@ def _dropout_in_a_recomputed_layer_draws_the_forward_passes_mask():
 
 
 
+def _a_fit_at_another_stage_goes_on_from_the_moments_the_one_before_left():
+    """Adam, 4 steps a fit: tfdist.fit at stage 1, then at stage 3, unsharded, at stage 2 and at stage 3 again,
+    the user's optimizer not built before the first (the first fit's state in its shards alone, in a layout
+    stage 3 does not use): each fit goes on from the moments and step count the one before left, as Keras' five
+    fits of 4 steps (1e-5; without the carry-over, fresh moments at stage 3 ended 3.6e-2 away)."""
+    from tests.zero_model import model
+    x, y = data()
+    reference = model(OPTIMIZERS["adam"])
+    s = strategy()
+    with s.scope():
+        net = model(OPTIMIZERS["adam"])
+    for k, stage in enumerate((1, 3, 0, 2, 3)):
+        part = slice(4 * k * BATCH, 4 * (k + 1) * BATCH)
+        reference.fit(x[part], y[part], batch_size=BATCH, shuffle=False, verbose=0)
+        train(net, x[part], y[part], batch_size=BATCH, shuffle=False, verbose=0, strategy=s, zero_stage=stage,
+              export=())
+        for a, b in zip(net.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"fit {k} (stage {stage})")
+        assert int(net.optimizer.iterations) == 4 * (k + 1)
+    assert_left_alone(net)
+    # The user's optimizer, built by the carry-over, holds Keras' state after the last fit.
+    assert len(net.optimizer.variables) == len(reference.optimizer.variables)
+    for a, b in zip(net.optimizer.variables, reference.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=a.path)
+
+
 class TwiceCalled(keras.Model):
     """A subclassed model that calls one Dense layer twice (a shared layer no graph shows)."""
 
@@ -598,6 +624,10 @@ def test_a_checkpoint_holds_the_whole_weights_and_the_shards_and_resumes_exactly
 
 def test_optimizers_and_a_second_fit_train_as_keras():
     fresh("_optimizers_and_a_second_fit_train_as_keras")
+
+
+def test_a_fit_at_another_stage_goes_on_from_the_moments_the_one_before_left():
+    fresh("_a_fit_at_another_stage_goes_on_from_the_moments_the_one_before_left")
 
 
 def test_an_embedding_trains_with_sgd_and_is_refused_with_adam():

@@ -194,6 +194,7 @@ def _plan(call: Any, backend: Backend, source: sources.Source) -> LoopPlan:
 
 def _build(call: Any, backend: Backend, source: sources.Source, plan: LoopPlan) -> None:
     checks.check_short_custom_step(call.model, backend, plan, source.num_examples)
+    zero.carry_over(call.model, backend, call.zero_stage)  # An earlier sharded fit's state, if this one leaves it.
     preparing.build(call.model, backend, source.example(plan.micro_batch), optimizer_state=not call.zero_stage)
     checks.check_metrics(call.model)  # Compiled metrics have variables only once built.
     call.zero = zero.for_model(call.model, backend, call.zero_stage) if call.zero_stage else None

@@ -9,7 +9,7 @@ optimizer built before fit hands its state over and has its own slots freed mean
 shards the weights too, gathering each layer's just before it runs (`stage3`, `gathering`).
 docs/sharding.md.
 
-The rest of tfdist uses this surface only: `for_model`, `state_report`, `ShardedOptimizer` (its `reduce`,
+The rest of tfdist uses this surface only: `for_model`, `carry_over`, `state_report`, `ShardedOptimizer` (its `reduce`,
 `apply`, `scale_loss`, `finalize`, `save`, `restore`, `loss_scale`, `current_scale`, `stage`) and `STAGES`.
 """
 
@@ -26,7 +26,7 @@ from tfdist.training.zero import layout
 from tfdist.training.zero.sharded import ShardedOptimizer
 
 STAGES = (0, 1, 2, 3)
-__all__ = ["STAGES", "ShardedOptimizer", "for_model", "state_report"]
+__all__ = ["STAGES", "ShardedOptimizer", "carry_over", "for_model", "state_report"]
 
 _SHARDED: "weakref.WeakKeyDictionary[Any, ShardedOptimizer]" = weakref.WeakKeyDictionary()
 
@@ -37,13 +37,37 @@ def for_model(model: keras.Model, backend: Backend, stage: int) -> ShardedOptimi
     from tfdist.training.zero.stage3 import Stage3Optimizer
     kind = Stage3Optimizer if stage == 3 else ShardedOptimizer
     previous = _SHARDED.get(model.optimizer)
-    if previous is not None and type(previous) is kind and previous.backend is backend and not previous.broken and \
-            not model.optimizer.built and \
-            [id(v) for v in previous.variables] == [id(v) for v in model.trainable_variables]:
+    if _goes_on(previous, model, backend) and type(previous) is kind:
         previous.stage = stage
         return previous
     sharded = _SHARDED[model.optimizer] = kind(model, backend, stage)
     return sharded
+
+
+def carry_over(model: keras.Model, backend: Backend, stage: int) -> None:
+    """Before a fit at `stage` (0: unsharded), with the model built: the state an earlier sharded fit left in
+    its shards alone (the user's optimizer was not built before it), where this fit will not go on from those
+    shards (an unsharded fit, or stage 3's layout after stage 1's or 2's, or back), is given to the user's
+    optimizer whole first (`handover.take_back`), so this fit goes on from it as Keras' next ``fit`` does."""
+    from tfdist.training.zero import handover
+    from tfdist.training.zero.stage3 import Stage3Optimizer
+    optimizer = getattr(model, "optimizer", None)
+    try:
+        previous = _SHARDED.get(optimizer) if optimizer is not None else None
+    except TypeError:  # An object no weak reference can hold: never sharded.
+        return
+    if not _goes_on(previous, model, backend):
+        return
+    if stage and (type(previous) is Stage3Optimizer) == (stage == 3):
+        return
+    handover.take_back(previous, model)
+
+
+def _goes_on(previous: Optional[ShardedOptimizer], model: keras.Model, backend: Backend) -> bool:
+    """Whether `previous` (an earlier fit's shards) holds the state the model's next fit goes on from."""
+    return previous is not None and previous.backend is backend and not previous.broken and \
+        not model.optimizer.built and \
+        [id(v) for v in previous.variables] == [id(v) for v in model.trainable_variables]
 
 
 def state_report(zero: Optional[ShardedOptimizer], backend: Backend) -> dict[str, Any]:

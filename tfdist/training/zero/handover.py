@@ -48,7 +48,24 @@ def seed_from(sharded: Any, user: Any, inner: Any) -> None:
     sharded.handed_over = _seed(sharded, user, inner) if getattr(inner, "built", False) else None
 
 
-def _seed(sharded: Any, user: Any, inner: Any) -> Optional[Handed]:
+def take_back(sharded: Any, model: Any) -> None:
+    """An earlier sharded fit's state, kept in its shards alone (the user's optimizer was not built before
+    it), given to the user's optimizer whole: built under the strategy's scope, its slots and other state get
+    what the shards hold (gathered as at the end of a fit: an all-gather on several workers, which every task
+    runs, as every task calls `fit`); the shards are then emptied and not used again (`zero.carry_over`)."""
+    user = model.optimizer
+    inner = user.inner_optimizer if sharded.loss_scale else user
+    with sharded.backend.scope():
+        user.build(model.trainable_variables)
+    handed = _seed(sharded, user, inner, assign=False)
+    if handed is not None and give_back(sharded, handed, together=True):
+        release(sharded, handed)
+    sharded.broken = True
+
+
+def _seed(sharded: Any, user: Any, inner: Any, assign: bool = True) -> Optional[Handed]:
+    """The user's built state matched to the shards' keys (`Handed`), each shard given its slices of it
+    (`assign`; else only matched)."""
     from tfdist.training.zero.checkpoint import _slot_key
 
     own = {id(inner._iterations), id(inner._learning_rate)}
@@ -72,12 +89,14 @@ def _seed(sharded: Any, user: Any, inner: Any) -> Optional[Handed]:
                 names = [f"var{i}_{slot}" for i in bucket.indices]
                 if all(n in built and tuple(built[n].shape) == tuple(sharded.variables[i].shape)
                        for n, i in zip(names, bucket.indices)):
-                    part = bucket.owned_part(shard.replica, [tf.convert_to_tensor(built[n]) for n in names])
-                    # A copy: a slice may share the buffer of the whole bucket it was cut from, and keep it.
-                    variable.assign(tf.raw_ops.DeepCopy(x=part))
+                    if assign:
+                        part = bucket.owned_part(shard.replica, [tf.convert_to_tensor(built[n]) for n in names])
+                        # A copy: a slice may share the buffer of the whole bucket it was cut from, and keep it.
+                        variable.assign(tf.raw_ops.DeepCopy(x=part))
                     handed.slots[key] = [built[n] for n in names]
             elif key in built and tuple(built[key].shape) == tuple(variable.shape):
-                variable.assign(tf.cast(tf.convert_to_tensor(built[key]), variable.dtype))
+                if assign:
+                    variable.assign(tf.cast(tf.convert_to_tensor(built[key]), variable.dtype))
                 handed.others[key] = built[key]
     return handed if handed.slots or handed.others else None
 
