@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import keras
 import numpy as np
@@ -353,6 +354,18 @@ def _a_fit_at_another_stage_goes_on_from_the_moments_the_one_before_left():
     assert len(net.optimizer.variables) == len(reference.optimizer.variables)
     for a, b in zip(net.optimizer.variables, reference.optimizer.variables):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=a.path)
+    # A fit that resumes a checkpoint goes on from the checkpoint's state instead (saved at stage 1 with the
+    # optimizer unbuilt: a carry-over would build slots the checkpoint does not hold, and the restore refuse).
+    with s.scope():
+        resumed = model(OPTIMIZERS["adam"])
+    workdir = os.path.join(tempfile.mkdtemp(), "run")
+    train(resumed, x, y, batch_size=BATCH, shuffle=False, verbose=0, strategy=s, zero_stage=1, export=(),
+          workdir=workdir, checkpoint_every_steps=5, max_steps=10)
+    train(resumed, x, y, batch_size=BATCH, shuffle=False, verbose=0, strategy=s, zero_stage=3, export=(),
+          workdir=workdir)
+    assert int(resumed.optimizer.iterations) == 20
+    for a, b in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 class TwiceCalled(keras.Model):

@@ -313,8 +313,8 @@ def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any 
     if swap:
         raise UserError(f"zero_stage={stage} cannot run keras.callbacks.SwapEMAWeights: it swaps the model's weights "
                         "with the averages in model.optimizer, and a sharded run keeps them in each replica's part "
-                        "instead (the optimizer itself stays unbuilt). Drop the callback (fit ends on the averages "
-                        "with use_ema=True, as Keras' does), or use zero_stage=0.")
+                        "instead (the user's optimizer holds none during the fit). Drop the callback (fit ends on "
+                        "the averages with use_ema=True, as Keras' does), or use zero_stage=0.")
     if stage >= 2 and grad_accum_steps > 1 and getattr(backend, "op", None) == "adasum":
         raise UserError(f"zero_stage={stage} with grad_accum_steps={grad_accum_steps} would combine each "
                         "micro-batch's gradients by Adasum, which is not the Adasum of their sum. Use zero_stage=1 "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import types
 import warnings
 from typing import Any, Optional, Sequence
@@ -194,10 +195,19 @@ def _plan(call: Any, backend: Backend, source: sources.Source) -> LoopPlan:
 
 def _build(call: Any, backend: Backend, source: sources.Source, plan: LoopPlan) -> None:
     checks.check_short_custom_step(call.model, backend, plan, source.num_examples)
-    zero.carry_over(call.model, backend, call.zero_stage)  # An earlier sharded fit's state, if this one leaves it.
+    if not _may_resume(call):  # A checkpoint's state would win (and its optimizer has no slots to fill).
+        zero.carry_over(call.model, backend, call.zero_stage)  # An earlier sharded fit's state, if this one leaves it.
     preparing.build(call.model, backend, source.example(plan.micro_batch), optimizer_state=not call.zero_stage)
     checks.check_metrics(call.model)  # Compiled metrics have variables only once built.
     call.zero = zero.for_model(call.model, backend, call.zero_stage) if call.zero_stage else None
+
+
+def _may_resume(call: Any) -> bool:
+    """Whether this fit's workdir holds a checkpoint it may resume (`Checkpoints.resume` decides)."""
+    if call.workdir is None or call.resume is False:
+        return False
+    path = call.workdir.path if isinstance(call.workdir, workdir_lib.RunDir) else str(call.workdir)
+    return tf.train.get_checkpoint_state(os.path.join(path, "checkpoints")) is not None
 
 
 def _step_counter(call: Any, backend: Backend) -> tf.Variable:
