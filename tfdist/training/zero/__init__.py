@@ -51,11 +51,9 @@ def carry_over(model: keras.Model, backend: Backend, stage: int) -> None:
     optimizer whole first (`handover.take_back`), so this fit goes on from it as Keras' next ``fit`` does."""
     from tfdist.training.zero import handover
     from tfdist.training.zero.stage3 import Stage3Optimizer
-    optimizer = getattr(model, "optimizer", None)
-    try:
-        previous = _SHARDED.get(optimizer) if optimizer is not None else None
-    except TypeError:  # An object no weak reference can hold: never sharded.
+    if getattr(model, "optimizer", None) is None:  # Compiled without one (a custom step's own): never sharded.
         return
+    previous = _SHARDED.get(model.optimizer)
     if not _goes_on(previous, model, backend):
         return
     if stage and (type(previous) is Stage3Optimizer) == (stage == 3):
