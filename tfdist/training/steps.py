@@ -313,7 +313,7 @@ class StepFunctions:
         # The gradient all-reduce and the user's optimizer applied to the sums (`updates`).
         nonfinite = updates.apply(self.model, self.backend, grads, self.step_counter, data=data,
                                   row_sparse=self.row_sparse, streamed=self.streamed, zero=self.zero,
-                                  present=present, reduced=reduce_each)
+                                  present=present, reduced=reduce_each, fresh=self.accum == 1)
         share = nonfinite / float(self.backend.num_replicas)
         return self.layout.add_step(totals, [examples, share, stop], deltas)
 

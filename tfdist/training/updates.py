@@ -17,15 +17,16 @@ from tfdist.training import keras_hooks, sparse_updates
 
 def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Variable, *, data: Any,
           row_sparse: bool, streamed: bool, zero: Any = None, present: Sequence[int] = (),
-          reduced: bool = False) -> tf.Tensor:
+          reduced: bool = False, fresh: bool = True) -> tf.Tensor:
     """All-reduces one replica step's `grads` and applies them to the model's trainable variables (counting
     the step); returns 1.0 where the summed gradients are non-finite (alike on every replica), else 0.0.
 
     ``zero``: a sharded optimizer state (`tfdist.training.zero`) reduce-scatters them and applies its slices;
-    `present`: the variables with a gradient; ``reduced``: `grads` are already this replica's summed slices.
+    `present`: the variables with a gradient; ``reduced``: `grads` are already this replica's summed slices;
+    ``fresh``: `grads` are one backward pass's own (not sums of micro-batches: `zero.pacing`).
     """
     if zero is not None:  # Reduce-scattered (`reduced`: a micro-batch at a time already) and applied by shards.
-        return _apply_sharded(zero, backend, grads if reduced else zero.reduce(grads), step_counter,
+        return _apply_sharded(zero, backend, grads if reduced else zero.reduce(grads, fresh=fresh), step_counter,
                               present=present)
     leaves = tf.nest.flatten(data)
     sparse = any(isinstance(t, tf.SparseTensor) for t in leaves)

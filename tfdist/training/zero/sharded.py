@@ -1,7 +1,8 @@
 """`ShardedOptimizer`: one model's optimizer state in equal flat shards, and the update each replica makes.
 
 A step on each replica: its gradients are reduce-scattered a bucket at a time (`reduce`; at stage 2 with
-``grad_accum_steps`` each micro-batch's, so only the owned slices accumulate); its [S/N] slice of the weights
+``grad_accum_steps`` each micro-batch's, so only the owned slices accumulate; a bucket's gradient is made once
+the next bucket's reduce-scatter has summed, `pacing`); its [S/N] slice of the weights
 is refreshed from its copy of the model (so anything that set the weights between steps is seen); one small
 all-reduce of per-variable figures gives the loss scale's finite check and the norms clipping needs
 (`figures`); the clone of the user's optimizer updates the shard; the updated shards are all-gathered a bucket
@@ -19,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.distribute.backend import Backend, tf_variable
-from tfdist.training.zero import collectives, figures, layout, optimizer as optimizers
+from tfdist.training.zero import collectives, figures, layout, optimizer as optimizers, pacing
 
 
 @dataclasses.dataclass
@@ -156,9 +157,10 @@ class ShardedOptimizer:
             return loss * self.loss_scale_factor if self.loss_scale_factor else loss
         return loss * tf.cast(self._mine().scale, loss.dtype)
 
-    def reduce(self, grads: list, tag: str = "") -> list[tf.Tensor]:
+    def reduce(self, grads: list, tag: str = "", fresh: bool = True) -> list[tf.Tensor]:
         """This replica's [S/N] slice of each bucket of the gradients summed over the replicas (None
-        gradients as zeros), a bucket at a time."""
+        gradients as zeros), a bucket at a time. `fresh`: `grads` are one backward pass's own, made only as
+        the reduce-scatters let them (`pacing`); sums of micro-batches (stage 1's accumulators) are not held."""
         replica = self._mine().replica
         grads = [_dense(g) for g in grads]
         if not collectives.plain_sum(self.backend):  # Compressed or Adasum: the backend's own reduction.
@@ -173,7 +175,10 @@ class ShardedOptimizer:
             bucket = self.layout[k]
             flat = bucket.flatten([grads[i] for i in bucket.indices])
             out[k] = collectives.reduce_scatter(self.backend, flat, replica, f"tfdist_zero_rs{tag}_{k}")
-        return [out[k] for k in range(len(self.layout))]
+        reduced = [out[k] for k in range(len(self.layout))]
+        if fresh:
+            pacing.pace(grads, reduced, self.layout)  # At most a few buckets' local gradients at once.
+        return reduced
 
     def apply(self, grads: list[tf.Tensor], present: Sequence[int]) -> tf.Tensor:
         """Applies one step's summed shard gradients (`reduce`) and gathers every replica's updated shards

@@ -62,7 +62,7 @@ class Stage3Optimizer(ShardedOptimizer):
     def gradient_sources(self) -> list:
         return [getattr(p, "_value", p) for p in self._mine().params]  # The variables (Keras' `value` may cast).
 
-    def reduce(self, grads: list, tag: str = "") -> list:
+    def reduce(self, grads: list, tag: str = "", fresh: bool = True) -> list:
         """Already this replica's summed slices (the gathers' gradients); a bucket no layer used: zeros."""
         return [tf.zeros([b.shard], b.dtype) if g is None else g for g, b in zip(grads, self.layout)]
 

@@ -7,6 +7,8 @@
 - ``tensorflow.python.ops.collective_ops``: ``all_to_all_v2``, ``all_gather_v2``, ``all_reduce_v2`` (no public wrapper;
   ``CollectiveReduceScatterV2`` exists but is NCCL-only: on CPU "did not find collective implementation").
 - ``tensorflow.python.ops.resource_variable_ops.ResourceVariable``: a plain variable inside a strategy's scope.
+- ``Operation._add_control_input``, ``Operation._control_outputs``: a control edge to an op already made, and
+  the ops an op's control edges lead to (`pacing`: a gradient made after a later bucket's reduce-scatter).
 
 A TensorFlow that moves them makes `launchers` return None (the exact all-reduce fallback is used) and the
 test fail.
@@ -102,6 +104,16 @@ def plain_variable(**kwargs: Any) -> tf.Variable:
     return _resource_variable_ops.ResourceVariable(**kwargs)
 
 
+def add_control_input(op: tf.Operation, before: tf.Operation) -> None:
+    """Makes `op` (already in a graph being built) run after `before`."""
+    op._add_control_input(before)
+
+
+def control_outputs(op: tf.Operation) -> list:
+    """The ops that wait for `op` by a control edge."""
+    return list(op._control_outputs)
+
+
 def available() -> list[str]:
     """The private names this TensorFlow lacks (empty where all are where tfdist expects them)."""
     missing = []
@@ -110,6 +122,8 @@ def available() -> list[str]:
         missing.append("tensorflow.python.ops.collective_ops.all_to_all_v2/all_gather_v2/all_reduce_v2")
     if _resource_variable_ops is None:
         missing.append("tensorflow.python.ops.resource_variable_ops")
+    if not all(hasattr(tf.Operation, n) for n in ("_add_control_input", "_control_outputs")):
+        missing.append("tensorflow.python.framework.ops.Operation._add_control_input/_control_outputs")
     try:
         from tensorflow.python.distribute import cross_device_utils
         launcher = cross_device_utils.CollectiveReplicaLauncher
