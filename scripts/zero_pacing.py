@@ -4,8 +4,9 @@ zero_stage 1 and 2, with and without ``grad_accum_steps=2``, each bucket's gradi
 bucket's reduce-scatter (``pacing.SLACK=1``, tfdist's default) or not (0), each run in a fresh process.
 
 Reports TensorFlow's allocator peak over the fit (`get_memory_info("CPU:0")`, the model's own weights and
-both replicas included) and the second epoch's time. Two MLPs: 4 x 4096 (3 buckets of one 64 MiB kernel each:
-pacing's worst case) and 8 x 2048 (7 buckets of 16 MiB).
+both replicas included) and the second epoch's time. Two MLPs: 4 x 4096 (three 64 MiB kernels, each a bucket
+with its bias another: pacing's worst case, two kernels in flight are two thirds of the gradient) and 8 x 2048
+(7 buckets of 16 MiB).
 
   python scripts/zero_pacing.py        # writes benchmarks/zero_pacing.json and prints a table
 """
