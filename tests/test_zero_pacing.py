@@ -24,7 +24,7 @@ def _buckets(count):
     return layout.plan([_Var([4, 4]) for _ in range(count)], replicas=1, limit=64)  # 64 bytes: one each.
 
 
-def _step(slack, tie=False, cast=False, leak=False):
+def _step(slack, tie=False, cast=False, leak=False, stateful=False):
     """A stand-in backward pass: four weight gradients made from one chain of activation gradients, each
     bucket 'reduced' by a sum under its own name scope; with `tie`, bucket 1's reduction also reads bucket 0's
     gradient; with `leak`, bucket 1's gradient also feeds the activation chain (as BatchNormalization's beta's
@@ -40,6 +40,8 @@ def _step(slack, tie=False, cast=False, leak=False):
             grads.insert(0, tf.cast(tf.cast(g, tf.float16), tf.float32) if cast else g)
             if leak and k == 1:
                 upstream = upstream - g  # The earlier layers' backward pass reads this gradient.
+            if stateful and k == 1:  # Made by a stateful op (TensorFlow runs those in the order made).
+                grads[0] = tf.identity(tf.random.uniform([4, 4]))
         reduced, scopes = [None] * 4, [None] * 4
         for k in reversed(range(4)):
             with tf.name_scope(f"rs_{k}") as scopes[k]:
@@ -89,6 +91,13 @@ def test_a_gradient_the_backward_pass_reads_on_is_not_held():
     assert record["reduced"][1].op in record["grads"][0].op.control_inputs
     assert record["reduced"][3].op in record["grads"][2].op.control_inputs
     np.testing.assert_array_equal(values.numpy(), plain.numpy())
+
+
+def test_a_gradient_a_stateful_op_makes_is_not_held():
+    _, record = _step(slack=1, stateful=True)
+    assert list(record["grads"][1].op.control_inputs) == []
+    assert record["grads"][1].op.inputs[0].op.type == "RandomUniform"
+    assert record["reduced"][3].op in record["grads"][2].op.control_inputs
 
 
 def test_nothing_is_held_back_when_executing_eagerly():

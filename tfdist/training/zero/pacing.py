@@ -64,10 +64,11 @@ def _producers(tensor: tf.Tensor, depth: int = 3) -> list:
 
 def _feeds_only(chain: list, scope: str) -> bool:
     """Whether every op that reads the outputs of `chain` is in it or in its bucket's reduction (`scope`),
-    and nothing waits for them by a control edge."""
+    nothing waits for them by a control edge, and none is stateful (TensorFlow orders stateful ops as they
+    were made, which would put one before the later reduce-scatter it would then wait for)."""
     members = set(chain)
     for op in chain:
-        if tf_private.control_outputs(op):
+        if op.op_def.is_stateful or tf_private.control_outputs(op):
             return False
         for consumer in (c for t in op.outputs for c in t.consumers()):
             if consumer not in members and not consumer.name.startswith(scope):
