@@ -45,8 +45,8 @@ def pace(grads: Sequence[Any], reduced: Sequence[tf.Tensor], buckets: Sequence[A
             if grads[i] is None:
                 continue
             chain = _producers(grads[i])
-            if not _feeds_only(chain, scopes[k]):
-                continue
+            if any(op.graph is not after.graph for op in chain) or not _feeds_only(chain, scopes[k]):
+                continue  # (Made in another graph: a branch's readers of it are not made yet.)
             for op in chain:
                 if after not in op.control_inputs:
                     tf_private.add_control_input(op, after)
