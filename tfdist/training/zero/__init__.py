@@ -4,9 +4,10 @@ The trainable variables are flattened into buckets (`layout`); each replica owns
 elements and keeps the optimizer state of those only, in a clone of the user's own Keras optimizer built on
 its flat shards (`optimizer`, with what Keras computes per variable made exact in `figures`). A step
 reduce-scatters the gradients, each bucket's made once the next one's has summed (`pacing`), and all-gathers
-the updated shards (`collectives`, TensorFlow's private names kept in `tf_private`); the state is saved by variable, so any replica count reads it (`checkpoint`). A user's
-optimizer built before fit hands its state over and has its own slots freed meanwhile (`handover`). Stage 3
-shards the weights too, gathering each layer's just before it runs (`stage3`, `gathering`).
+the updated shards (`collectives`, TensorFlow's private names kept in `tf_private`); the state is saved by
+variable, so any replica count reads it (`checkpoint`). A user's optimizer built before fit hands its state
+over and has its own slots freed meanwhile (`handover`). Stage 3 shards the weights too, gathering each layer's
+just before it runs (`stage3`, `gathering`).
 docs/sharding.md.
 
 The rest of tfdist uses this surface only: `for_model`, `carry_over`, `state_report`, `ShardedOptimizer` (its `reduce`,

@@ -27,8 +27,9 @@ import tensorflow as tf
 from tfdist.training.zero import tf_private
 
 SLACK = 1  # A bucket's gradient waits for the reduce-scatter of the bucket this many places later (0: none).
-_DATA_INPUTS = {"Identity": slice(0, 1), "Cast": slice(0, 1), "Reshape": slice(0, 1),  # Where a gradient's
-                "Select": slice(1, 3), "SelectV2": slice(1, 3)}                        # buffer is made before.
+# The ops a gradient passes through after its buffer is made, and which of their inputs carry its data.
+_DATA_INPUTS = {"Identity": slice(0, 1), "Cast": slice(0, 1), "Reshape": slice(0, 1),
+                "Select": slice(1, 3), "SelectV2": slice(1, 3)}
 
 
 def pace(grads: Sequence[Any], reduced: Sequence[tf.Tensor], buckets: Sequence[Any], scopes: Sequence[str],

@@ -168,18 +168,16 @@ class ShardedOptimizer:
             summed = self.backend.finish_gradients(grads)
             return [bucket.owned_part(replica, [summed[i] if i in present else tf.zeros(
                 self.variables[i].shape, bucket.dtype) for i in bucket.indices]) for bucket in self.layout]
-        out: dict[int, tf.Tensor] = {}
-        scopes: dict[int, str] = {}
+        reduced, scopes = [None] * len(self.layout), [""] * len(self.layout)
         # Last layers first: their gradients exist first, and the collectives run in the order they are issued,
         # so the reduce-scatters overlap the rest of the backward pass (as the unsharded all-reduce's packs do).
         for k in reversed(range(len(self.layout))):
             bucket = self.layout[k]
             with tf.name_scope(f"tfdist_zero_rs{tag}_{k}") as scopes[k]:
                 flat = bucket.flatten([grads[i] for i in bucket.indices])
-                out[k] = collectives.reduce_scatter(self.backend, flat, replica, f"tfdist_zero_rs{tag}_{k}")
-        reduced = [out[k] for k in range(len(self.layout))]
-        if fresh and collectives.path(self.backend) != "none":  # At most a few buckets' local gradients at once.
-            pacing.pace(grads, reduced, self.layout, [scopes[k] for k in range(len(self.layout))])
+                reduced[k] = collectives.reduce_scatter(self.backend, flat, replica, f"tfdist_zero_rs{tag}_{k}")
+        if fresh and self.backend.num_replicas > 1:  # At most a few buckets' local gradients at once.
+            pacing.pace(grads, reduced, self.layout, scopes)
         return reduced
 
     def apply(self, grads: list[tf.Tensor], present: Sequence[int]) -> tf.Tensor:
