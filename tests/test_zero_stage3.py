@@ -13,6 +13,7 @@ import tempfile
 import keras
 import numpy as np
 import pytest
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 import tfdist
 from tfdist.distribute.backend import tf_variable
@@ -432,6 +433,69 @@ class Branchy(keras.Model):
         return self.c(keras.ops.cond(keras.ops.max(h) > 100.0, lambda: self.b(h), lambda: h))
 
 
+def relative_error(y_true, y_pred):
+    """A loss not finite on a row of zeros (the stand-in row a replica with no example runs)."""
+    return keras.ops.mean(keras.ops.square(y_pred - y_true) / keras.ops.abs(y_true))
+
+
+def _a_short_batch_that_leaves_a_replica_without_an_example_trains_as_keras():
+    """13 examples in batches of 12: the last batch's one example on one replica, the other's part empty. Its
+    gradient adds nothing, and the other replica's owned slices are still updated (the reduce-scatter runs in
+    the backward pass, before the step zeroes an empty part at stages 0-2); with a loss that is not finite on
+    the empty part's stand-in row too: 2 epochs = Keras' fit (1e-5)."""
+    x, y = data()
+    x, y = x[:13], y[:13]
+    for loss in ("mse", relative_error):
+        def build():
+            keras.utils.set_random_seed(1)
+            net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                    keras.layers.Dense(3)])
+            net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss)
+            return net
+        net, _ = tfdist_fit(build, x, y, 3, epochs=2)
+        for a, b in zip(net.get_weights(), keras_fit(build, x, y, epochs=2)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=str(loss))
+
+
+class LayerModel(TensorFlowTrainer, keras.layers.Dense):
+    """A layer given Keras' trainer as a model, as Keras' own trainer tests build theirs: no `layers`; its
+    weights are its own."""
+
+    def __init__(self):
+        keras.layers.Dense.__init__(self, 3)
+        TensorFlowTrainer.__init__(self)
+
+
+class LayerOfLayers(TensorFlowTrainer, keras.layers.Layer):
+    """A layer given Keras' trainer, its weights in two sublayers (no `layers` attribute to list them)."""
+
+    def __init__(self):
+        keras.layers.Layer.__init__(self)
+        TensorFlowTrainer.__init__(self)
+        self.a = keras.layers.Dense(16, activation="tanh")
+        self.b = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def _a_layer_given_keras_trainer_trains_as_keras():
+    """Its sublayers are the units (as `Model.layers` lists a model's): 20 steps = Keras' fit (1e-5)."""
+    x, y = data()
+
+    def build():
+        keras.utils.set_random_seed(1)
+        net = LayerOfLayers()
+        net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        return net
+    net, _ = tfdist_fit(build, x, y, 3)
+    want = keras_fit(build, x, y)
+    assert len(want) == 4
+    for a, b in zip(net.get_weights(), want):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert_left_alone(net)
+
+
 def _tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_alone():
     x, y = data()
     inputs = keras.Input((8,))
@@ -472,6 +536,12 @@ def _tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_al
         for a, b in zip(net.get_weights(), before):
             np.testing.assert_array_equal(a, b)
         assert int(np.asarray(net.optimizer.iterations)) == 0
+    with strategy().scope():
+        net = compiled(lambda: LayerModel())()  # Unbuilt, as Keras' trainer tests fit theirs.
+    with pytest.raises(UserError, match=r"LayerModel owns trainable weights itself \(layer_model/kernel\)"):
+        train(net, x, y, batch_size=BATCH, verbose=0, strategy=strategy(), zero_stage=3, export=())
+    assert int(np.asarray(net.optimizer.iterations)) == 0
+    assert_left_alone(net)
 
 
 
@@ -624,6 +694,14 @@ def test_dropout_in_a_recomputed_layer_draws_the_forward_passes_mask():
 
 def test_tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_alone():
     fresh("_tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_alone")
+
+
+def test_a_layer_given_keras_trainer_trains_as_keras():
+    fresh("_a_layer_given_keras_trainer_trains_as_keras")
+
+
+def test_a_short_batch_that_leaves_a_replica_without_an_example_trains_as_keras():
+    fresh("_a_short_batch_that_leaves_a_replica_without_an_example_trains_as_keras")
 
 
 def test_validation_evaluate_and_predict_see_the_whole_trained_weights():

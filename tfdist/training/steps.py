@@ -247,8 +247,11 @@ class StepFunctions:
                    if id(v) not in self._all_shards]
         before = {id(v): value for v, value in mapping}
         size = _batch_size(x)
+        empty = None if total is None else tf.equal(size, 0)  # A part of a short batch: it adds nothing.
+        if self.zero is not None:  # (Stage 3 zeroes its gradient in the backward pass, before the gathers' sums.)
+            self.zero.before_backward(empty)
         if total is not None and not global_statistics(model):  # (A synchronized statistic would count the row.)
-            x, y, sample_weight = _stand_in_rows(tf.equal(size, 0), (x, y, sample_weight))
+            x, y, sample_weight = _stand_in_rows(empty, (x, y, sample_weight))
         # This part's fraction of the global batch (without `total` all parts hold as many examples).
         share = tf.cast(size, tf.float32) / (tf.cast(size * self.parts, tf.float32) if total is None else total)
         with tf.GradientTape() as tape:
@@ -260,9 +263,7 @@ class StepFunctions:
                                                         share=share)
             scaled = self.zero.scale_loss(loss) if self.zero is not None else self.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, variables)
-        empty = None
-        if total is not None:  # A part of a short last batch may hold no example: it adds nothing.
-            empty = tf.equal(size, 0)
+        if empty is not None and (self.zero is None or not self.zero.reduced_in_backward):
             grads = [where_present(empty, g) for g in grads]
         write_state(forward, before, atomic=self.backend.asynchronous, keep=empty,
                     global_state=global_statistics(model))

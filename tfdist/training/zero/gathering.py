@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import keras
 import tensorflow as tf
@@ -42,7 +42,11 @@ def units(model: keras.Model) -> list:
     found: list = []
 
     def walk(container: Any) -> None:
-        for layer in container.layers:
+        # A Keras model lists its layers in `layers`; a layer given Keras' trainer as a model (`Trainer` and
+        # `Dense`, as Keras' own trainer tests build them) has no `layers`: its sublayers, as `Model.layers`.
+        children = container.layers if isinstance(container, keras.Model) else \
+            container._flatten_layers(include_self=False, recursive=False)
+        for layer in children:
             if isinstance(layer, keras.Model) and not layer._trainable_variables:
                 walk(layer)
             elif layer.trainable_variables:
@@ -119,10 +123,11 @@ class _UnitScope(StatelessScope):
 
 
 def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: int, name: str,
-           absent: set, sparse: Callable[[int], None]) -> list:
+           absent: set, sparse: Callable[[int], None], empty: Optional[tf.Tensor] = None) -> list:
     """The bucket's variables whole (`shapes`), all-gathered from every replica's [S/N] `part`; the gradient
     is reduce-scattered back to this replica's part (`absent` collects the variables given no gradient;
-    ``sparse(i)`` is told of a row-sparse one, which goes dense)."""
+    ``sparse(i)`` is told of a row-sparse one, which goes dense; where `empty`, this replica's part of a short
+    batch held no example, and its gradient is zeros before the sum, as the step zeroes it at stages 0-2)."""
     @tf.custom_gradient
     def run(shard: tf.Tensor) -> Any:
         whole = collectives.all_gather(backend, shard, replica, name)
@@ -136,6 +141,8 @@ def gather(backend: Any, bucket: Any, shapes: list, part: tf.Tensor, replica: in
                 if isinstance(g, tf.IndexedSlices):
                     sparse(i)
                 dense.append(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g)
+            if empty is not None:  # (Its mean loss is 0/0 where no stand-in row ran.)
+                dense = [None if g is None else tf.where(empty, tf.zeros_like(g), g) for g in dense]
             return collectives.reduce_scatter(backend, bucket.flatten(dense), replica, name + "_rs")
         return pieces, grad
     return run(part)
@@ -206,7 +213,7 @@ class Gathering:
             # The variable itself: Keras' `value` would cast it to a mixed policy's compute dtype in a layer's call.
             part = getattr(shard.params[k], "_value", shard.params[k]).read_value()
             values = gather(sharded.backend, bucket, [tuple(v.shape) for v in variables], part, shard.replica,
-                            f"tfdist_zero3_{k}", self.absent, self.sparse)
+                            f"tfdist_zero3_{k}", self.absent, self.sparse, getattr(self.local, "empty", None))
             pairs += list(zip(variables, values))
         return pairs
 
@@ -327,6 +334,7 @@ class Gathering:
         def run(*args: Any, **kwargs: Any) -> Any:
             self.local.active, self.local.calls, self.local.gathering = True, {}, self
             self.local.previous = None  # The input of the unit the forward pass ran last.
+            self.local.empty = None  # Whether this replica's part holds no example (the step, `before_backward`).
             self.local.graph = tf.compat.v1.get_default_graph()  # A unit called in another (a cond's) is refused.
             try:
                 return original(*args, **kwargs)

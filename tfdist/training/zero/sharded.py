@@ -134,9 +134,16 @@ class ShardedOptimizer:
         """The buckets (stage 3: one layer's variables each, `stage3`)."""
         return layout.plan(self.variables, self.backend.num_replicas)
 
+    reduced_in_backward = False  # Stage 3: the tape's gradients are this replica's summed slices already.
+
     def gradient_sources(self) -> list:
         """What a replica step differentiates the loss by (stage 3: its weight shards)."""
         return self.variables
+
+    def before_backward(self, empty: Optional[tf.Tensor]) -> None:
+        """Told before a replica's forward pass whether its part of a short batch holds no example (None: every
+        part holds some); stages 1 and 2 zero such a part's gradient before their reduce-scatter (the step)."""
+        del empty
 
     # Accounting --------------------------------------------------------------------------------------------
     def local_state_bytes(self) -> list[int]:

@@ -62,6 +62,11 @@ class Stage3Optimizer(ShardedOptimizer):
     def gradient_sources(self) -> list:
         return [getattr(p, "_value", p) for p in self._mine().params]  # The variables (Keras' `value` may cast).
 
+    reduced_in_backward = True
+
+    def before_backward(self, empty: Optional[tf.Tensor]) -> None:  # Zeroed by the gathers' gradients.
+        self.gathering.local.empty = empty
+
     def reduce(self, grads: list, tag: str = "", fresh: bool = True) -> list:
         """Already this replica's summed slices (the gathers' gradients); a bucket no layer used: zeros."""
         return [tf.zeros([b.shard], b.dtype) if g is None else g for g, b in zip(grads, self.layout)]
