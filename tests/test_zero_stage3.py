@@ -457,6 +457,25 @@ def _a_short_batch_that_leaves_a_replica_without_an_example_trains_as_keras():
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=str(loss))
 
 
+def _a_masked_sequence_trains_as_keras():
+    """A Masking layer's mask reaches the GRU as a boolean tensor in its call's arguments: taken as it is by
+    the recomputation, which differentiates the unit's other inputs (before: a TypeError tracing the
+    gradient of a boolean). 20 steps = Keras' fit (1e-5)."""
+    x, y = data()
+    x = x.reshape(-1, 4, 2)
+    x[::3, 2:] = 0.0  # Every third sequence ends in 2 masked steps.
+
+    def build():
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential([keras.Input((4, 2)), keras.layers.Masking(0.0), keras.layers.GRU(5),
+                                keras.layers.Dense(3)])
+        net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        return net
+    net, _ = tfdist_fit(build, x, y, 3)
+    for a, b in zip(net.get_weights(), keras_fit(build, x, y)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
 class LayerModel(TensorFlowTrainer, keras.layers.Dense):
     """A layer given Keras' trainer as a model, as Keras' own trainer tests build theirs: no `layers`; its
     weights are its own."""
@@ -521,6 +540,8 @@ def _tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_al
         (compiled(lambda: KernelPenalty([keras.Input((8,)), keras.layers.Dense(3)])),
          r"KernelPenalty.compute_loss reads it outside the layer that holds it"),
         (compiled(lambda: Branchy()), r"calls it inside a conditional or a loop of its own"),
+        (compiled(lambda: keras.Sequential([keras.Input((8,)), keras.layers.SpectralNormalization(
+            keras.layers.Dense(3))])), r"its call assigns its trainable weight \S*kernel \(as SpectralNormalization"),
     ]
     for build, match in cases:
         s = strategy()
@@ -531,7 +552,7 @@ def _tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_left_al
         with pytest.raises(UserError, match=match) as raised:
             train(net, x, y, batch_size=BATCH, verbose=0, strategy=s, zero_stage=3, export=())
         assert "\n" not in str(raised.value)  # One paragraph, as raised (not as Keras rewrites a call's error).
-        assert all(v.shape == w.shape for v, w in zip(net.trainable_variables, before))
+        assert [w.shape for w in net.get_weights()] == [w.shape for w in before]
         assert_left_alone(net)
         for a, b in zip(net.get_weights(), before):
             np.testing.assert_array_equal(a, b)
@@ -698,6 +719,10 @@ def test_tied_and_shared_layers_and_a_custom_step_are_refused_with_the_model_lef
 
 def test_a_layer_given_keras_trainer_trains_as_keras():
     fresh("_a_layer_given_keras_trainer_trains_as_keras")
+
+
+def test_a_masked_sequence_trains_as_keras():
+    fresh("_a_masked_sequence_trains_as_keras")
 
 
 def test_a_short_batch_that_leaves_a_replica_without_an_example_trains_as_keras():

@@ -255,7 +255,8 @@ class Gathering:
 
     def _run(self, unit: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
         leaves = tf.nest.flatten((args, kwargs))
-        at = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor)]
+        # The recomputation's inputs; a boolean one (a mask) has no gradient to give and is taken as it is.
+        at = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor) and t.dtype not in (tf.bool, tf.string)]
         outer = get_stateless_scope()
         autocast = get_autocast_scope()  # The recomputation runs outside the layer's __call__, which set it.
         cast_to = autocast.dtype if autocast is not None else None
@@ -282,6 +283,11 @@ class Gathering:
             scope = _UnitScope({**entry, **{id(v): t for v, t in pairs}})
             with scope, AutocastScope(cast_to):
                 out = original(*a, **kw)
+            written = [v for v in self.sharded.variables if id(v) in scope.updated]
+            if written:
+                raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: its call assigns its "
+                              f"trainable weight {written[0].path} (as SpectralNormalization does), and while fit "
+                              "runs only the replicas' shards of it exist. Use zero_stage=2.")
             if scope.losses:
                 raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: its call adds a loss "
                               "(add_loss), whose gradient would have to pass the recomputation of the layer. "
