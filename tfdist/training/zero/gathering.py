@@ -276,7 +276,7 @@ class Gathering:
             # Gathered once the unit's input exists; in the forward pass once the previous unit's does, so the
             # gather overlaps that unit's computation (prefetched one unit ahead).
             after = self.local.previous if first and self.local.previous is not None else list(tensors[:1])
-            if first:
+            if first and tensors:  # (A unit called on no tensor it differentiates leaves the chain as it was.)
                 self.local.previous = list(tensors[:1])
             with tf.control_dependencies(after):
                 pairs = self.whole_weights(unit)
@@ -285,7 +285,7 @@ class Gathering:
                 out = original(*a, **kw)
             written = [v for v in self.sharded.variables if id(v) in scope.updated]
             if written:
-                raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: its call assigns its "
+                raise _refuse(self.local, f"zero_stage=3 cannot shard layer {unit.name!r}: its call assigns the "
                               f"trainable weight {written[0].path} (as SpectralNormalization does), and while fit "
                               "runs only the replicas' shards of it exist. Use zero_stage=2.")
             if scope.losses:
@@ -345,7 +345,7 @@ class Gathering:
             try:
                 return original(*args, **kwargs)
             finally:
-                self.local.active = False
+                self.local.active, self.local.empty = False, None
         return run
 
 

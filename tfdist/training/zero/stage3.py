@@ -65,7 +65,8 @@ class Stage3Optimizer(ShardedOptimizer):
     reduced_in_backward = True
 
     def before_backward(self, empty: Optional[tf.Tensor]) -> None:  # Zeroed by the gathers' gradients.
-        self.gathering.local.empty = empty
+        if self.gathering is not None:  # (Set for the fit by `sharded_weights`, before any step is traced.)
+            self.gathering.local.empty = empty
 
     def reduce(self, grads: list, tag: str = "", fresh: bool = True) -> list:
         """Already this replica's summed slices (the gathers' gradients); a bucket no layer used: zeros."""
