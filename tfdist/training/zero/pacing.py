@@ -36,9 +36,9 @@ def pace(grads: Sequence[Any], reduced: Sequence[tf.Tensor], buckets: Sequence[A
          slack: Optional[int] = None) -> None:
     """Makes the gradient of each bucket k (`grads`, one per variable) after `reduced[k + slack]` (each
     bucket's reduce-scatter, in layout order, made under the name scope ``scopes[k]``); nothing when executing
-    eagerly (ops run as they are made)."""
+    eagerly (ops run as they are made), nor on a TensorFlow without the private names it uses."""
     slack = SLACK if slack is None else slack
-    if tf.executing_eagerly() or slack < 1:
+    if tf.executing_eagerly() or slack < 1 or not tf_private.CONTROL_EDGES:
         return
     for k in range(len(buckets) - slack):
         after = reduced[k + slack].op

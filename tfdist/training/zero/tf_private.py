@@ -10,8 +10,8 @@
 - ``Operation._add_control_input``, ``Operation._control_outputs``: a control edge to an op already made, and
   the ops an op's control edges lead to (`pacing`: a gradient made after a later bucket's reduce-scatter).
 
-A TensorFlow that moves them makes `launchers` return None (the exact all-reduce fallback is used) and the
-test fail.
+A TensorFlow that moves them makes `launchers` return None (the exact all-reduce fallback is used), the
+reduce-scatters unpaced (`CONTROL_EDGES`), and the test fail.
 """
 
 from __future__ import annotations
@@ -104,6 +104,9 @@ def plain_variable(**kwargs: Any) -> tf.Variable:
     return _resource_variable_ops.ResourceVariable(**kwargs)
 
 
+CONTROL_EDGES = all(hasattr(tf.Operation, n) for n in ("_add_control_input", "_control_outputs"))
+
+
 def add_control_input(op: tf.Operation, before: tf.Operation) -> None:
     """Makes `op` (already in a graph being built) run after `before`."""
     op._add_control_input(before)
@@ -122,7 +125,7 @@ def available() -> list[str]:
         missing.append("tensorflow.python.ops.collective_ops.all_to_all_v2/all_gather_v2/all_reduce_v2")
     if _resource_variable_ops is None:
         missing.append("tensorflow.python.ops.resource_variable_ops")
-    if not all(hasattr(tf.Operation, n) for n in ("_add_control_input", "_control_outputs")):
+    if not CONTROL_EDGES:
         missing.append("tensorflow.python.framework.ops.Operation._add_control_input/_control_outputs")
     try:
         from tensorflow.python.distribute import cross_device_utils
