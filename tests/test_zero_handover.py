@@ -41,7 +41,7 @@ def adam_state(optimizer):
 
 
 def test_the_slots_of_a_built_optimizer_are_freed_during_a_sharded_fit_and_given_back_after():
-    """2 replicas, Adam built by a first fit (25 MB of moments over the replicas' copies): once tfdist.fit at
+    """2 replicas, Adam built by a first fit (76 MB of moments over the replicas' copies): once tfdist.fit at
     stage 1 has begun, TensorFlow's allocator holds about half the user's state less than before it (the whole
     moments freed, the half each replica owns in the shards), not the shards on top of the whole state; after
     it, the state is the user's again and the shards' copy is emptied. (MirroredStrategy's collective ops: its
@@ -60,8 +60,8 @@ def slots_freed_and_given_back() -> None:
     strategy = tfdist.make_strategy("mirrored", num_cpu_replicas=2, precision="float32")
     with strategy.scope():
         keras.utils.set_random_seed(1)
-        net = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024), keras.layers.Dense(1024),
-                                keras.layers.Dense(3)])
+        net = keras.Sequential([keras.Input((512,))] + [keras.layers.Dense(1024) for _ in range(5)]
+                               + [keras.layers.Dense(3)])
         net.compile(optimizer=keras.optimizers.Adam(0.001), loss="mse")
     x = np.random.default_rng(0).normal(size=(4 * BATCH, 512)).astype("float32")
     y = np.zeros((4 * BATCH, 3), "float32")
@@ -78,8 +78,10 @@ def slots_freed_and_given_back() -> None:
                callbacks=[measure])
     print(f"allocated (MB): before {before / 1e6:.1f}, fit begun {begun[0] / 1e6:.1f}, after each step "
           f"{[round(b / 1e6, 1) for b in seen]}; the user's moments {whole / 1e6:.1f}")
-    # Without the freeing: the shards beside the whole state (before + whole / 2 and more).
-    assert begun[0] < before - whole / 4, (before, begun, whole)
+    # Freed: before - whole / 2, and a few MB the allocator's other users hold at that moment (up to 9 MB over
+    # 4 runs here). Without the freeing: the shards beside the whole state (before + whole / 2 and more); one
+    # replica's copy freed, the other's not: before.
+    assert begun[0] < before - whole / 8, (before, begun, whole)
     assert len(seen) == 4 and max(seen) < before + whole / 8, (before, seen, whole)  # The steps' own buffers.
     assert all(tuple(v.shape) == tuple(np.asarray(v).shape) for v in net.optimizer.variables)
     shards = zero._SHARDED[net.optimizer].shards.values()  # Their copy released: the user's optimizer holds it.
