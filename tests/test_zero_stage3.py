@@ -477,6 +477,29 @@ def _a_masked_sequence_trains_as_keras():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+def _quantized_layers_with_lora_train_as_keras():
+    """Dense layers quantized to int8 and int4 with LoRA (Keras' own way to fine-tune a quantized model): Keras
+    calls their quantized_call instead of call, which stage 3 gathers for as well (before: refused as 'Sequential.call
+    reads lora_kernel_a outside the layer that holds it'). The trainable LoRA kernels and biases are sharded,
+    the quantized kernels are not trainable. 20 steps = Keras' fit (1e-5)."""
+    x, y = data()
+    for mode in ("int8", "int4"):
+        def build():
+            keras.utils.set_random_seed(1)
+            net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                    keras.layers.Dense(3)])
+            for layer in net.layers:
+                layer.enable_lora(2)
+                layer.quantize(mode)
+            net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+            return net
+        net, _ = tfdist_fit(build, x, y, 3)
+        assert [v.path.rsplit("/", 1)[1] for v in net.trainable_variables] == ["bias", "lora_kernel_a",
+                                                                               "lora_kernel_b"] * 2
+        for a, b in zip(net.get_weights(), keras_fit(build, x, y)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=mode)
+
+
 class LayerModel(TensorFlowTrainer, keras.layers.Dense):
     """A layer given Keras' trainer as a model, as Keras' own trainer tests build theirs: no `layers`; its
     weights are its own."""
@@ -724,6 +747,10 @@ def test_a_layer_given_keras_trainer_trains_as_keras():
 
 def test_a_masked_sequence_trains_as_keras():
     fresh("_a_masked_sequence_trains_as_keras")
+
+
+def test_quantized_layers_with_lora_train_as_keras():
+    fresh("_quantized_layers_with_lora_train_as_keras")
 
 
 def test_a_short_batch_that_leaves_a_replica_without_an_example_trains_as_keras():

@@ -374,6 +374,8 @@ def wrapped(gathering: Gathering, functions: Any) -> Iterator[None]:
     with replacing() as replace:
         for unit in gathering.units:
             replace(unit, "call", lambda call, unit=unit: gathering.replacement(unit, call))
+            if getattr(unit, "quantization_mode", None) is not None:  # Keras calls it instead of `call`.
+                replace(unit, "quantized_call", lambda call, unit=unit: gathering.replacement(unit, call))
         model = gathering.model
         replace(model, "call", gathering.guarded)
         # The loss (a compute_loss override reading a weight: refused, not a failed step).
