@@ -319,9 +319,10 @@ def check_zero(model: keras.Model, backend: Backend, stage: Any, callbacks: Any 
         raise UserError(f"zero_stage={stage} with grad_accum_steps={grad_accum_steps} would combine each "
                         "micro-batch's gradients by Adasum, which is not the Adasum of their sum. Use zero_stage=1 "
                         "(one Adasum a step) or --hvd_op=average.")
-    from tfdist.training.zero.optimizer import check_supported
+    from tfdist.training.zero.optimizer import check_supported, check_variables
 
     check_supported(inner)
+    check_variables(model.trainable_variables, stage)
     if stage in (1, 2):
         _check_row_sparse(model, inner, stage)
     if stage == 3:

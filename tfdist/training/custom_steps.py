@@ -24,7 +24,7 @@ from keras.src import backend as keras_backend
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.errors import UserError, error_text
-from tfdist.training import columns, keras_hooks
+from tfdist.training import columns, keras_hooks, overwrites
 from tfdist.training.inputs import absent_as_none
 from tfdist.training.layer_state import RecordingScope, write_state
 from tfdist.training.metric_state import flatten_logs
@@ -135,6 +135,10 @@ class GlobalGradients:
                 grads = list(grads)
                 variables = list(trainable_variables) if trainable_variables is not None else None
                 hooks._check_variables(opt, variables)
+                refusal = overwrites.custom_step_refusal(hooks.backend, opt, variables)
+                if refusal is not None:
+                    hooks.refused.append(refusal)
+                    raise refusal
                 if state.checking and not opt.built and variables is not None:
                     hooks.unbuilt.append((opt, variables))  # Built by `probe` outside the step, then traced again.
                     raise _Unbuilt()

@@ -21,7 +21,8 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from tfdist.distribute.backend import Backend, tf_variable
 from tfdist.layers.sharded_embedding import sharded_tables
-from tfdist.training import columns, custom_steps, inputs as inputs_lib, keras_hooks, sparse_updates, updates
+from tfdist.training import columns, custom_steps, inputs as inputs_lib, keras_hooks, overwrites, sparse_updates, \
+    updates
 from tfdist.training.layer_state import RecordingScope, global_statistics, synced_state, where_present, write_state
 from tfdist.training.losses import forward_losses, loss_kind, mask_padding, model_losses
 from tfdist.training.metric_state import MetricLayout, LogLayout
@@ -299,6 +300,7 @@ class StepFunctions:
             data = tuple(data)
         # Sharded at stage 2, each micro-batch is reduced as it ends and only the owned part accumulates.
         reduce_each = self.zero is not None and self.zero.stage >= 2 and self.accum > 1
+        overwritten = overwrites.indices(self.model.trainable_variables) if self.zero is None else set()
         present: list[int] = []
         for m, micro in enumerate(self._micro_batches(data)):
             if grads is not None:  # One micro-batch at a time (`_after`).
@@ -308,7 +310,7 @@ class StepFunctions:
             present = [i for i, v in enumerate(g) if v is not None]
             if reduce_each:  # This replica's slices of the micro-batch's summed gradient.
                 g = self.zero.reduce(g, tag=f"_m{m}")
-            grads = g if grads is None else [_add_grads(a, c) for a, c in zip(grads, g)]
+            grads = g if grads is None else overwrites.accumulate(grads, g, overwritten, _add_grads)
             deltas = d if deltas is None else [a + c for a, c in zip(deltas, d)]
             examples += b
         # The gradient all-reduce and the user's optimizer applied to the sums (`updates`).

@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.distribute.backend import Backend
-from tfdist.training import keras_hooks, sparse_updates
+from tfdist.training import keras_hooks, overwrites, sparse_updates
 
 
 def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Variable, *, data: Any,
@@ -38,11 +38,13 @@ def apply(model: keras.Model, backend: Backend, grads: list, step_counter: tf.Va
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     # Else a sparse input's kernel gradient (each replica's own unique rows) is summed as unique rows: it
     # reaches the optimizer row-sparse, one device's gradient.
-    grads = backend.finish_gradients(grads, distinct_rows=sparse and row_sparse)
+    optimizer, variables = model.optimizer, model.trainable_variables
+    grads, overwritten = overwrites.set_aside(grads, overwrites.indices(variables))  # Float8's scales: the max.
+    grads = overwrites.put_back(backend, backend.finish_gradients(grads, distinct_rows=sparse and row_sparse),
+                                overwritten)
     # Whether this step's all-reduced gradients are non-finite: the same on every replica (the loop's
     # divergence guard counts steps).
     nonfinite = 1.0 - tf.cast(all_finite(grads), tf.float32)
-    optimizer, variables = model.optimizer, model.trainable_variables
     with optimizer_hooks(model, backend):  # Entered while this is traced, left before it returns.
         # The update and the step count (parameter servers: only a step no earlier run claimed).
         backend.apply_step(lambda ready: optimizer.apply(ready, variables), step_counter, ready=grads,

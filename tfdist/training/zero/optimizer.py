@@ -57,6 +57,16 @@ def check_supported(optimizer: Any) -> None:
                     "one of Keras' elementwise optimizers or Lamb.")
 
 
+def check_variables(variables: Any, stage: int) -> None:
+    """Refuses a trainable variable Keras overwrites with its gradient (float8 training's scales)."""
+    for v in variables:
+        if getattr(v, "overwrite_with_gradient", False):
+            raise UserError(f"zero_stage={stage} cannot shard {v.path}: Keras overwrites it with its gradient (the "
+                            "scales and amax histories of float8 training), the largest over the replicas' batches, "
+                            "where a sharded optimizer steps each replica's slice of the summed gradients. Use "
+                            "zero_stage=0 for a float8 model.")
+
+
 @contextlib.contextmanager
 def plain_variables(any_length: bool = False) -> Iterator[None]:
     """Variables created here are plain, on the current device, even inside a strategy's scope; with

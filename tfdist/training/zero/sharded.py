@@ -79,6 +79,7 @@ class ShardedOptimizer:
         self.loss_scale = isinstance(user, keras.optimizers.LossScaleOptimizer)
         inner = user.inner_optimizer if self.loss_scale else user
         optimizers.check_supported(inner)
+        optimizers.check_variables(model.trainable_variables, stage)
         self.iterations = tf_variable(inner._iterations)  # The raw count (`iterations` divides it when accumulating).
         self.use_ema = inner.use_ema
         self.clipping = bool(inner.clipnorm or inner.global_clipnorm)
