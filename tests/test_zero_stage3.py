@@ -114,7 +114,8 @@ def assert_left_alone(net):
     """The model as the user made it: whole buffers, no call replaced."""
     whole = [[int(np.prod(v.shape))] * 2 for v in net.trainable_variables]
     assert buffers(net) == whole
-    assert all("call" not in layer.__dict__ for layer in net._flatten_layers())
+    assert all("call" not in layer.__dict__ and "quantized_call" not in layer.__dict__
+               for layer in net._flatten_layers())
     assert "_compute_loss" not in net.__dict__
 
 
@@ -494,6 +495,7 @@ def _quantized_layers_with_lora_train_as_keras():
             net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
             return net
         net, _ = tfdist_fit(build, x, y, 3)
+        assert_left_alone(net)
         assert [v.path.rsplit("/", 1)[1] for v in net.trainable_variables] == ["bias", "lora_kernel_a",
                                                                                "lora_kernel_b"] * 2
         for a, b in zip(net.get_weights(), keras_fit(build, x, y)):

@@ -59,8 +59,10 @@ def check_supported(optimizer: Any) -> None:
 
 def check_variables(variables: Any, stage: int) -> None:
     """Refuses a trainable variable Keras overwrites with its gradient (float8 training's scales)."""
+    from tfdist.training.overwrites import is_overwritten
+
     for v in variables:
-        if getattr(v, "overwrite_with_gradient", False):
+        if is_overwritten(v):
             raise UserError(f"zero_stage={stage} cannot shard {v.path}: Keras overwrites it with its gradient (the "
                             "scales and amax histories of float8 training), the largest over the replicas' batches, "
                             "where a sharded optimizer steps each replica's slice of the summed gradients. Use "
